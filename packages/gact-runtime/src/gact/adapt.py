@@ -1,0 +1,174 @@
+"""Adaptive precision: sensitivity probes and bit allocation through ``gact_policy``.
+
+# NOTE [Probes leave no trace]
+# A probe is one extra run of the user's closure with chosen bits and seeds. Around all probes
+# of an adaptation, ``ProbeGuard`` keeps: the CPU and every initialised CUDA generator's state
+# (reset before every probe, so dropout draws the same masks in each, and restored after), every
+# buffer's value (BatchNorm running statistics and ``num_batches_tracked``), every module's
+# training flag, and the gradient tensors the user's closure produced (set aside, so probes
+# accumulate into fresh ``.grad`` tensors, and put back untouched). No optimizer is involved.
+# The ledger of the open step is swapped out while probing, so ``stats()`` never counts probes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import gact_policy
+import numpy as np
+import torch
+from torch import nn
+
+from .ledger import Kind, Ledger, SiteRecord
+from .plan import BitPlan, ProbeOverride, mix_seed
+from .saved import SaveHooks
+
+__all__ = ["Adapter", "ProbeGuard"]
+
+logger = logging.getLogger("gact")
+
+
+class ProbeGuard:
+    """Context manager that snapshots what probes could change and restores it on exit.
+
+    Args:
+        model: the model being probed.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = model
+
+    def __enter__(self) -> ProbeGuard:
+        model = self._model
+        self._cpu_rng = torch.get_rng_state()
+        self._cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        self._grads = [(p, p.grad) for p in model.parameters()]
+        self._buffers = [(b, b.detach().clone()) for b in model.buffers()]
+        self._modes = [(m, m.training) for m in model.modules()]
+        return self
+
+    def reset_rng(self) -> None:
+        torch.set_rng_state(self._cpu_rng)
+        if self._cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self._cuda_rng)
+
+    def clear_grads(self) -> None:
+        for p, _ in self._grads:
+            p.grad = None
+
+    def __exit__(self, *exc: object) -> None:
+        self.reset_rng()
+        with torch.no_grad():
+            for buf, value in self._buffers:
+                buf.copy_(value)
+        for p, grad in self._grads:
+            p.grad = grad
+        for module, training in self._modes:
+            module.training = training
+
+
+class Adapter:
+    """Estimates per-key sensitivities and allocates bits for the adaptive levels.
+
+    Args:
+        model: the model being trained.
+        plan: the bit plan to update.
+        hooks: the controller's hooks (their ledger is swapped out while probing).
+    """
+
+    def __init__(self, model: nn.Module, plan: BitPlan, hooks: SaveHooks) -> None:
+        self._model = model
+        self._plan = plan
+        self._hooks = hooks
+        self.count = 0
+        self.seconds = 0.0
+
+    def adapt(
+        self,
+        closure: Callable[[], Any],
+        sites: dict[str, SiteRecord],
+        run_closure: Callable[[Callable[[], Any]], Any],
+    ) -> None:
+        """Probe ``closure``, update the smoothed sensitivities and re-allocate bits.
+
+        Args:
+            closure: forward + backward on the probe batch.
+            sites: the open step's records; every quantizable key among them is an item.
+            run_closure: runs a closure and checks that it ran a backward.
+        """
+        items = [r for r in sites.values() if _quantizable(r)]
+        if not items:
+            return
+        start = time.perf_counter()
+        plan, cfg = self._plan, self._plan.config
+        keys = [r.key for r in items]
+        index = {k: i for i, k in enumerate(keys)}
+        numel = np.array([r.numel for r in items], dtype=np.int64)
+        full_bits = np.array([torch.finfo(r.dtype).bits for r in items], dtype=np.int64)
+        probe_bits = np.array(
+            [min(plan.bits.get(k, plan.default_bits), 8) for k in keys], dtype=np.int64
+        )
+        fallback = mix_seed(cfg.seed, plan.step, 0xADA)
+        ledger = self._hooks.ledger
+
+        with ProbeGuard(self._model) as guard:
+
+            def grad(probe: gact_policy.ProbeConfig) -> np.ndarray:
+                plan.probe = ProbeOverride(index, probe.bits, probe.seeds, fallback)
+                guard.reset_rng()
+                guard.clear_grads()
+                self._hooks.ledger = Ledger()
+                run_closure(closure)
+                return _flat_grad(self._model)
+
+            try:
+                estimate = self._estimate(grad, probe_bits)
+            finally:
+                plan.probe = None
+                self._hooks.ledger = ledger
+
+        previous = np.array([plan.sensitivity.get(k, np.nan) for k in keys])
+        sensitivity = gact_policy.smooth(previous, estimate, cfg.smoothing)
+        assert cfg.avg_bits is not None
+        bits = gact_policy.allocate_bits(
+            sensitivity,
+            numel,
+            cfg.avg_bits,
+            full_bits=full_bits,
+            overhead_bits=cfg.overhead_bits,
+        )
+        plan.bits = {k: int(b) for k, b in zip(keys, bits)}
+        plan.sensitivity = {k: float(c) for k, c in zip(keys, sensitivity)}
+        self.count += 1
+        self.seconds += time.perf_counter() - start
+        logger.info(
+            "GACT adaptation %d at step %d: %d tensors, %.3fs, bits %s",
+            self.count,
+            plan.step,
+            len(keys),
+            time.perf_counter() - start,
+            np.bincount(np.minimum(bits, 9), minlength=10)[1:].tolist(),
+        )
+
+    def _estimate(self, grad: Callable[[Any], np.ndarray], bits: np.ndarray) -> np.ndarray:
+        cfg = self._plan.config
+        seed = mix_seed(cfg.seed, self._plan.step, 0x5E5)
+        if cfg.sensitivity_method == "per_item":
+            return gact_policy.estimate_sensitivity(grad, bits, seed=seed)
+        return gact_policy.estimate_sensitivity_subsets(grad, bits, probes=cfg.probes, seed=seed)
+
+
+def _quantizable(rec: SiteRecord) -> bool:
+    """Quantized now, or kept at full precision by a previous allocation."""
+    return rec.kind is Kind.QUANTIZED or (
+        rec.kind is Kind.KEPT and rec.bits is not None and rec.bits > 8
+    )
+
+
+def _flat_grad(model: nn.Module) -> np.ndarray:
+    grads = [p.grad.detach().reshape(-1) for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return np.zeros(0, dtype=np.float64)
+    return torch.cat([g.to("cpu", torch.float64) for g in grads]).numpy()

@@ -1,0 +1,177 @@
+"""Optimization levels and the validated configuration object.
+
+The level table is the single source of truth for what each level means; the README's table
+is generated from the same facts. ``set_optimization_level`` changes the default configuration
+that new controllers take; a live controller changes level with ``Controller.configure``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ConfigError
+
+__all__ = ["LEVELS", "GactConfig", "Level", "get_config", "set_optimization_level"]
+
+
+@dataclass(frozen=True)
+class Level:
+    """What one optimization level does.
+
+    Args:
+        bits: fixed width for every compressed tensor, or ``None`` for adaptive levels.
+        avg_bits: average bits per element for adaptive levels, per-group metadata included.
+        swap: move compressed payloads to pinned CPU memory (CUDA only).
+        description: one line for tables and logs.
+    """
+
+    bits: int | None
+    avg_bits: float | None
+    swap: bool
+    description: str
+
+    @property
+    def compresses(self) -> bool:
+        return self.bits is not None or self.avg_bits is not None
+
+    @property
+    def adaptive(self) -> bool:
+        return self.avg_bits is not None
+
+
+LEVELS: dict[str, Level] = {
+    "L0": Level(None, None, False, "no compression (saved tensors measured, stored as they are)"),
+    "L1": Level(4, None, False, "every activation at 4 bits"),
+    "L1.1": Level(8, None, False, "every activation at 8 bits"),
+    "L1.2": Level(2, None, False, "every activation at 2 bits"),
+    "L2": Level(None, 4.0, False, "adaptive bits, 4 bits per element on average"),
+    "L2.1": Level(None, 3.0, False, "adaptive bits, 3 bits per element on average"),
+    "L2.2": Level(None, 2.0, False, "adaptive bits, 2 bits per element on average"),
+    "L3": Level(None, 4.0, True, "L2 plus swap of compressed tensors to pinned CPU memory"),
+}
+
+_SENSITIVITY_METHODS = ("subset", "per_item")
+_GROUP_SIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+@dataclass(frozen=True)
+class GactConfig:
+    """Validated GACT configuration.
+
+    Args:
+        level: one of ``LEVELS`` (``"L0"`` ... ``"L3"``).
+        group_size: elements per quantization group (one fp32 ``lo`` and one fp32 ``scale`` each).
+        min_numel: floating-point tensors with fewer elements are kept as they are.
+        adapt_interval: re-estimate sensitivities every this many steps (adaptive levels).
+        sensitivity_method: ``"subset"`` (probes re-seed random subsets of tensors; cost does not
+            grow with the number of tensors) or ``"per_item"`` (the paper's Algorithm 1, one probe
+            per tensor).
+        probes: number of probes of the ``"subset"`` method.
+        smoothing: weight of the previous estimate in the exponential moving average of
+            sensitivities, in ``[0, 1)``.
+        seed: base seed of the stochastic rounding streams.
+
+    Example::
+
+        >>> cfg = GactConfig.from_level("L2", adapt_interval=500)
+        >>> cfg.avg_bits
+        4.0
+    """
+
+    level: str = "L2"
+    group_size: int = 256
+    min_numel: int = 1024
+    adapt_interval: int = 1000
+    sensitivity_method: str = "subset"
+    probes: int = 16
+    smoothing: float = 0.5
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.level not in LEVELS:
+            raise ConfigError(
+                f"unknown optimization level {self.level!r}; valid levels: {', '.join(LEVELS)}"
+            )
+        if self.group_size not in _GROUP_SIZES:
+            raise ConfigError(f"group_size must be one of {_GROUP_SIZES}, got {self.group_size!r}")
+        if not isinstance(self.min_numel, int) or self.min_numel < 0:
+            raise ConfigError(f"min_numel must be an int >= 0, got {self.min_numel!r}")
+        if not isinstance(self.adapt_interval, int) or self.adapt_interval < 1:
+            raise ConfigError(f"adapt_interval must be an int >= 1, got {self.adapt_interval!r}")
+        if self.sensitivity_method not in _SENSITIVITY_METHODS:
+            raise ConfigError(
+                f"sensitivity_method must be one of {_SENSITIVITY_METHODS}, "
+                f"got {self.sensitivity_method!r}"
+            )
+        if not isinstance(self.probes, int) or self.probes < 2:
+            raise ConfigError(f"probes must be an int >= 2, got {self.probes!r}")
+        if not 0.0 <= self.smoothing < 1.0:
+            raise ConfigError(f"smoothing must be in [0, 1), got {self.smoothing!r}")
+        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
+            raise ConfigError(f"seed must be an int in [0, 2**64), got {self.seed!r}")
+
+    @classmethod
+    def from_level(cls, level: str, **options: Any) -> GactConfig:
+        """Build a configuration for ``level``; unknown option names raise ``ConfigError``."""
+        _check_option_names(options)
+        return cls(level=level, **options)
+
+    def replace(self, **options: Any) -> GactConfig:
+        """A copy with ``options`` (``level`` included) changed, validated like the original."""
+        _check_option_names({k: v for k, v in options.items() if k != "level"})
+        return dataclasses.replace(self, **options)
+
+    @property
+    def spec(self) -> Level:
+        return LEVELS[self.level]
+
+    @property
+    def bits(self) -> int | None:
+        return self.spec.bits
+
+    @property
+    def avg_bits(self) -> float | None:
+        return self.spec.avg_bits
+
+    @property
+    def overhead_bits(self) -> float:
+        """Per-element cost of the per-group metadata (two float32 per group)."""
+        return 64.0 / self.group_size
+
+
+def _check_option_names(options: dict[str, Any]) -> None:
+    valid = {f.name for f in dataclasses.fields(GactConfig)} - {"level"}
+    unknown = sorted(set(options) - valid)
+    if unknown:
+        raise ConfigError(f"unknown option(s) {unknown}; valid options: {sorted(valid)}")
+
+
+_default = GactConfig()
+
+
+def set_optimization_level(level: str, **options: Any) -> GactConfig:
+    """Set the default configuration that new ``Controller`` objects take.
+
+    Args:
+        level: one of ``LEVELS``.
+        **options: other ``GactConfig`` fields.
+
+    Returns:
+        The new default configuration.
+
+    Example::
+
+        >>> import gact
+        >>> gact.set_optimization_level("L2").level
+        'L2'
+    """
+    global _default
+    _default = _default.replace(level=level, **options)
+    return _default
+
+
+def get_config() -> GactConfig:
+    """The default configuration new controllers take."""
+    return _default

@@ -1,0 +1,149 @@
+"""Per-step accounting of saved tensors: ``Controller.stats()`` and ``Controller.report()``.
+
+Records are aggregated per save-site key, so the ledger's size is bounded by the number of
+distinct keys, never by the number of steps or forwards (see NOTE [Save-site keys]).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["Kind", "Ledger", "SiteRecord"]
+
+
+class Kind(str, enum.Enum):
+    """What happened to a saved tensor."""
+
+    QUANTIZED = "quantized"  # per-group stochastic rounding (gact_kernels.quantize)
+    MASK = "mask"  # bool mask packed losslessly at 1 bit per element
+    KEPT = "kept"  # stored as it is (small, integer, float64, level L0, or full precision)
+    PARAMETER = "parameter"  # a parameter or buffer: not an activation, never compressed
+
+
+@dataclass
+class SiteRecord:
+    """Everything saved at one key during one step."""
+
+    key: str
+    kind: Kind
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    bits: int | None
+    count: int = 0
+    numel: int = 0
+    original_bytes: int = 0
+    stored_bytes: int = 0
+
+
+@dataclass
+class Ledger:
+    """Aggregates saves of the open step; ``close`` makes them the last completed step."""
+
+    current: dict[str, SiteRecord] = field(default_factory=dict)
+    last: dict[str, SiteRecord] | None = None
+    deduplicated: int = 0
+    last_deduplicated: int = 0
+
+    def record(
+        self,
+        key: str,
+        tensor: torch.Tensor,
+        kind: Kind,
+        bits: int | None,
+        stored_bytes: int,
+    ) -> None:
+        rec = self.current.get(key)
+        if rec is None or rec.kind is not kind or rec.bits != bits:
+            prior = rec
+            rec = SiteRecord(key, kind, tuple(tensor.shape), tensor.dtype, bits)
+            if prior is not None:  # the same site changed treatment within a step: keep totals
+                rec.count, rec.numel = prior.count, prior.numel
+                rec.original_bytes, rec.stored_bytes = prior.original_bytes, prior.stored_bytes
+            self.current[key] = rec
+        rec.shape = tuple(tensor.shape)
+        rec.count += 1
+        rec.numel += tensor.numel()
+        rec.original_bytes += tensor.numel() * tensor.element_size()
+        rec.stored_bytes += stored_bytes
+
+    def occurrences(self, key: str) -> int:
+        """How many tensors were saved at ``key`` so far in the open step."""
+        rec = self.current.get(key)
+        return 0 if rec is None else rec.count
+
+    def close(self) -> None:
+        if self.current:
+            self.last = self.current
+            self.last_deduplicated = self.deduplicated
+        self.current = {}
+        self.deduplicated = 0
+
+    def discard(self) -> None:
+        """Forget the open step (its forward failed)."""
+        self.current = {}
+        self.deduplicated = 0
+
+    def view(self) -> tuple[dict[str, SiteRecord], int]:
+        """The last completed step, or the open one if no step was completed yet."""
+        if self.last is not None:
+            return self.last, self.last_deduplicated
+        return self.current, self.deduplicated
+
+    def stats(self) -> dict[str, Any]:
+        records, dedup = self.view()
+        activations = [r for r in records.values() if r.kind is not Kind.PARAMETER]
+        original = sum(r.original_bytes for r in activations)
+        stored = sum(r.stored_bytes for r in activations)
+        compressed = [r for r in activations if r.kind in (Kind.QUANTIZED, Kind.MASK)]
+        quantized_numel = sum(r.numel for r in records.values() if r.kind is Kind.QUANTIZED)
+        quantized_bits = sum(
+            r.numel * r.bits for r in records.values() if r.kind is Kind.QUANTIZED and r.bits
+        )
+        return {
+            "original_bytes": original,
+            "stored_bytes": stored,
+            "ratio": original / stored if stored else (math.inf if original else 1.0),
+            "compressed_tensors": sum(r.count for r in compressed),
+            "skipped_tensors": sum(r.count for r in activations if r.kind is Kind.KEPT),
+            "parameter_saves": sum(
+                r.count for r in records.values() if r.kind is Kind.PARAMETER
+            ),
+            "deduplicated_saves": dedup,
+            "average_bits": quantized_bits / quantized_numel if quantized_numel else None,
+            "sites": len(activations),
+        }
+
+    def table(self, sensitivity: dict[str, float]) -> str:
+        records, _ = self.view()
+        header = ("key", "shape", "dtype", "kind", "bits", "sensitivity", "count", "bytes", "stored")
+        rows = [header]
+        for rec in records.values():
+            sens = sensitivity.get(rec.key)
+            rows.append(
+                (
+                    rec.key,
+                    "x".join(map(str, rec.shape)) or "scalar",
+                    str(rec.dtype).removeprefix("torch."),
+                    rec.kind.value,
+                    "-" if rec.bits is None else str(rec.bits),
+                    "-" if sens is None else f"{sens:.3g}",
+                    str(rec.count),
+                    str(rec.original_bytes),
+                    str(rec.stored_bytes),
+                )
+            )
+        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        st = self.stats()
+        lines.append(
+            f"total: {st['original_bytes']} B -> {st['stored_bytes']} B "
+            f"(ratio {st['ratio']:.2f}x, {st['compressed_tensors']} compressed, "
+            f"{st['skipped_tensors']} kept)"
+        )
+        return "\n".join(lines)

@@ -1,0 +1,94 @@
+"""Recognising parameters and buffers among saved tensors.
+
+Parameters and buffers are state, not activations: they are never compressed. They are
+recognised three ways, so that ``model.to(...)`` and autocast cannot fool the check:
+
+- the tensor is an ``nn.Parameter`` or one of the model's parameters;
+- its storage is the storage of one of the model's parameters or buffers (views such as
+  ``weight.t()``, BatchNorm running statistics); the storage set is refreshed at every root
+  forward, so it follows ``model.to(device)``;
+- its autograd history leads, through casts and views only, to a parameter's ``AccumulateGrad``
+  (the weight copies that autocast makes).
+
+A frozen parameter (``requires_grad=False``) cast by autocast has no history and is not
+recognised; it is then compressed like an activation. This is documented in the README.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch import nn
+
+__all__ = ["ParameterFilter"]
+
+# Autograd nodes that neither compute nor mix values: a cast or a view of their input.
+_CAST_OR_VIEW = frozenset(
+    {
+        "ToCopyBackward0",
+        "TBackward0",
+        "ViewBackward0",
+        "UnsafeViewBackward0",
+        "ReshapeAliasBackward0",
+        "PermuteBackward0",
+        "TransposeBackward0",
+        "ExpandBackward0",
+        "UnsqueezeBackward0",
+        "SqueezeBackward0",
+        "SqueezeBackward1",
+        "AliasBackward0",
+        "CloneBackward0",
+        "SliceBackward0",
+        "SelectBackward0",
+    }
+)
+_MAX_DEPTH = 8
+
+
+class ParameterFilter:
+    """Callable that says whether a saved tensor is a parameter or buffer of ``model``.
+
+    Args:
+        model: the model whose parameters and buffers are excluded from compression.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = model
+        self._param_ids: frozenset[int] = frozenset()
+        self._storages: frozenset[int] = frozenset()
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Re-read the model's parameters and buffers (call after ``model.to``)."""
+        params = list(self._model.parameters())
+        self._param_ids = frozenset(id(p) for p in params)
+        self._storages = frozenset(
+            ptr
+            for t in itertools.chain(params, self._model.buffers())
+            if (ptr := t.untyped_storage().data_ptr()) != 0
+        )
+
+    @property
+    def num_parameters(self) -> int:
+        return len(self._param_ids)
+
+    def __call__(self, tensor: torch.Tensor) -> bool:
+        if isinstance(tensor, nn.Parameter) or id(tensor) in self._param_ids:
+            return True
+        if tensor.untyped_storage().data_ptr() in self._storages:
+            return True
+        node = tensor.grad_fn
+        for _ in range(_MAX_DEPTH):
+            if node is None:
+                return False
+            name = type(node).__name__
+            if name == "AccumulateGrad":
+                return id(node.variable) in self._param_ids
+            if name not in _CAST_OR_VIEW:
+                return False
+            parents = [fn for fn, _ in node.next_functions if fn is not None]
+            if len(parents) != 1:
+                return False
+            node = parents[0]
+        return False

@@ -1,0 +1,103 @@
+"""Which bit width and which random seed each saved tensor gets.
+
+# NOTE [Seeds]
+# Every quantization call gets its own seed, mixed (splitmix64) from the configuration's base
+# seed, the step number, a stable 64-bit hash of the save-site key and the occurrence of that key
+# within the step. The original's ``tid + iter`` collided across tensors and steps; a mixed seed
+# does not, and it is reproducible across processes (the key hash is blake2b, not ``hash()``).
+# While sensitivities are probed, the seeds come from the probe's configuration instead, so two
+# probes differ only in the items whose seeds the estimator changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import GactConfig
+
+__all__ = ["BitPlan", "ProbeOverride", "mix_seed"]
+
+_MASK64 = (1 << 64) - 1
+MAX_BITS = 8
+
+
+def mix_seed(*parts: int) -> int:
+    """Fold integers into one 64-bit seed with the splitmix64 finaliser."""
+    h = 0x9E3779B97F4A7C15
+    for part in parts:
+        h = (h ^ (part & _MASK64)) * 0xBF58476D1CE4E5B9 & _MASK64
+        h = (h ^ (h >> 31)) * 0x94D049BB133111EB & _MASK64
+        h ^= h >> 29
+    return h
+
+
+@dataclass(frozen=True)
+class ProbeOverride:
+    """Bits and seeds in force while one sensitivity probe runs.
+
+    Args:
+        index: position of each probed key in ``bits`` and ``seeds``.
+        bits: bit width per probed key.
+        seeds: seed per probed key.
+        fallback_seed: seed of keys the probe does not name (the same in every probe).
+    """
+
+    index: dict[str, int]
+    bits: np.ndarray
+    seeds: np.ndarray
+    fallback_seed: int
+
+
+class BitPlan:
+    """The controller's current bit assignment and seed stream.
+
+    Args:
+        config: the configuration whose level fixes the bits or the average budget.
+    """
+
+    def __init__(self, config: GactConfig) -> None:
+        self.config = config
+        self.step = 0
+        self.bits: dict[str, int] = {}
+        self.sensitivity: dict[str, float] = {}
+        self.probe: ProbeOverride | None = None
+        self._hashes: dict[str, int] = {}
+
+    @property
+    def default_bits(self) -> int:
+        """Bits of keys not yet allocated: the level's width, or the budget net of metadata."""
+        cfg = self.config
+        if cfg.bits is not None:
+            return cfg.bits
+        assert cfg.avg_bits is not None
+        return max(1, min(MAX_BITS, math.floor(cfg.avg_bits - cfg.overhead_bits)))
+
+    def bits_for(self, key: str) -> int | None:
+        """Bit width for ``key``; ``None`` keeps the tensor at full precision."""
+        if self.probe is not None:
+            i = self.probe.index.get(key)
+            bits = self.default_bits if i is None else int(self.probe.bits[i])
+        elif self.config.bits is not None:
+            bits = self.config.bits
+        else:
+            bits = self.bits.get(key, self.default_bits)
+        return bits if bits <= MAX_BITS else None
+
+    def key_hash(self, key: str) -> int:
+        h = self._hashes.get(key)
+        if h is None:
+            digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+            h = self._hashes[key] = int.from_bytes(digest, "little")
+        return h
+
+    def seed_for(self, key: str, occurrence: int) -> int:
+        """Seed of the ``occurrence``-th save at ``key`` in this step (see NOTE [Seeds])."""
+        if self.probe is not None:
+            i = self.probe.index.get(key)
+            base = self.probe.fallback_seed if i is None else int(self.probe.seeds[i])
+            return mix_seed(base, self.key_hash(key), occurrence)
+        return mix_seed(self.config.seed, self.step, self.key_hash(key), occurrence)

@@ -1,0 +1,101 @@
+"""Adaptive precision: probes leave no trace, and sensitive tensors get more bits."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from conftest import grads_of, make_closure
+from gact import Controller, GactConfig
+from gact.ledger import Kind
+from models import make_case
+from torch import nn
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_probes_leave_no_trace() -> None:
+    """After an adapting step, RNG, buffers, modes and gradients are those of the real step."""
+    model, x, y = make_case("cnn")
+    model.bn1.momentum = 0.3
+    initial = _state(model)
+
+    def closure() -> None:  # draws from the RNG inside, like dropout would
+        model.train()
+        noise = torch.randn_like(x) * 0.01
+        loss = F.cross_entropy(model(x + noise), y)
+        model.zero_grad()
+        loss.backward()
+
+    cfg = GactConfig.from_level("L2", min_numel=0, adapt_interval=1000)
+    # Reference: the real step alone (same seeds: a fresh controller at step 0).
+    torch.manual_seed(7)
+    with Controller(model, cfg) as controller:
+        controller.run_closure(closure)
+    expected_rng, expected_state, expected_grads = torch.get_rng_state(), _state(model), grads_of(model)
+
+    model.load_state_dict(initial)
+    model.zero_grad(set_to_none=True)
+    model.eval()  # the closure switches to train mode; the probes must not leave it changed
+    torch.manual_seed(7)
+    with Controller(model, cfg) as controller:
+        controller.iterate(closure)
+    assert controller.stats()["adaptations"] == 1
+    assert torch.equal(torch.get_rng_state(), expected_rng)
+    for k, v in _state(model).items():
+        assert torch.equal(v, expected_state[k]), k
+    for g, e in zip(grads_of(model), expected_grads):
+        assert torch.equal(g, e)
+    assert model.bn1.momentum == 0.3
+    assert model.training  # what the real closure left, not what the probes did
+
+
+def test_probe_steps_are_not_counted_in_stats() -> None:
+    model, x, y = make_case("mlp")
+    closure = make_closure(model, x, y)
+    with Controller(model, GactConfig.from_level("L2", min_numel=0)) as controller:
+        controller.iterate(closure)
+        first = controller.stats()
+        controller.iterate(closure)
+        second = controller.stats()
+    assert first["original_bytes"] == second["original_bytes"]
+    assert sum(r.count for r in controller.ledger.last.values() if r.kind is Kind.QUANTIZED) == (
+        first["compressed_tensors"]
+    )
+
+
+class TwoPaths(nn.Module):
+    """One activation feeds the loss through a large weight, the other through a tiny one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loud = nn.Linear(256, 256)
+        self.quiet = nn.Linear(256, 256)
+        self.head = nn.Linear(256, 4)
+        with torch.no_grad():
+            self.quiet.weight.mul_(1e-3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = torch.tanh(self.loud(x))
+        b = torch.tanh(self.quiet(x))
+        return self.head(a + 1e-3 * b)
+
+
+def test_sensitive_tensors_get_more_bits_within_budget() -> None:
+    torch.manual_seed(0)
+    model = TwoPaths()
+    x, y = torch.randn(256, 256), torch.randint(0, 4, (256,))
+    for method in ("subset", "per_item"):
+        cfg = GactConfig.from_level("L2", min_numel=0, sensitivity_method=method, probes=8)
+        with Controller(model, cfg) as controller:
+            controller.iterate(make_closure(model, x, y))
+            controller.iterate(make_closure(model, x, y))
+        bits, sens = controller.plan.bits, controller.plan.sensitivity
+        a_key, b_key = "<root>#0:float32:2d", "<root>#1:float32:2d"  # tanh outputs a and b
+        assert sens[a_key] > 100 * sens[b_key], (method, sens)
+        assert bits[a_key] > bits[b_key], (method, bits)
+        records = controller.ledger.last
+        numel = {k: records[k].numel for k in bits}
+        used = sum(n * (bits[k] + 0.25 if bits[k] <= 8 else bits[k]) for k, n in numel.items())
+        assert used <= 4.0 * sum(numel.values())

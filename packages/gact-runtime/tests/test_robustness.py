@@ -1,0 +1,162 @@
+"""The cases where the original GACT broke: none may crash, leak or apply another tensor's bits."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+import torch.nn.functional as F
+from conftest import grads_of, make_closure
+from gact import Controller, GactConfig
+from gact.saved import Saved
+from models import make_case
+from test_gradients import _relative_error
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+class Skippy(nn.Module):
+    """Skips its middle layer on odd calls (dynamic control flow)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 64)
+        self.b = nn.Linear(64, 64)
+        self.c = nn.Linear(64, 10)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = torch.relu(self.a(x))
+        if self.calls % 2:
+            h = torch.relu(self.b(h))
+        return self.c(h)
+
+
+def test_dynamic_control_flow_keeps_keys_and_bits() -> None:
+    model = Skippy()
+    x, y = torch.randn(64, 64), torch.randint(0, 10, (64,))
+    cfg = GactConfig.from_level("L2", min_numel=0, adapt_interval=1)
+    with Controller(model, cfg) as controller:
+        keys = []
+        for _ in range(4):
+            controller.iterate(make_closure(model, x, y))
+            keys.append(set(controller.ledger.last))
+    assert keys[0] == keys[2] and keys[1] == keys[3]
+    assert keys[1] < keys[0]  # the skipped layer's keys vanish, the others are unchanged
+    assert {k for k in keys[0] if k.startswith("b#")}
+    # the allocation names only real sites and gives the same key the same bits each time
+    assert set(controller.plan.bits) <= keys[0] | keys[1]
+
+
+def test_gradient_accumulation_matches_fp32() -> None:
+    model, x, y = make_case("cnn")
+
+    def accumulate() -> None:
+        model.zero_grad()
+        losses = [F.cross_entropy(model(x[i::2]), y[i::2]) for i in range(2)]
+        sum(losses).backward()  # two forwards before one backward
+
+    accumulate()
+    reference = grads_of(model)
+    with Controller(model, GactConfig.from_level("L1.1", min_numel=0)) as controller:
+        controller.iterate(accumulate)
+        two_forwards = controller.stats()
+        # micro-batches, each with its own backward, then one step
+        model.zero_grad()
+        for i in range(2):
+            F.cross_entropy(model(x[i::2]), y[i::2]).backward()
+        controller.step()
+    assert _relative_error(grads_of(model), reference) < 0.02
+    records = controller.ledger.last
+    assert records is not None and all(r.count % 2 == 0 for r in records.values())
+    assert two_forwards["compressed_tensors"] == controller.stats()["compressed_tensors"]
+
+
+def test_retain_graph_and_second_backward() -> None:
+    model, x, y = make_case("transformer")
+    with Controller(model, GactConfig.from_level("L1.1", min_numel=0)):
+        model.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward(retain_graph=True)
+        first = grads_of(model)
+        loss.backward()
+    for g1, g2 in zip(first, grads_of(model)):
+        torch.testing.assert_close(g2, 2 * g1)
+
+
+def test_double_backward_through_compressed_tensors() -> None:
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+    x = torch.randn(64, 16, requires_grad=True)
+    with Controller(model, GactConfig.from_level("L1.1", min_numel=0)):
+        (gx,) = torch.autograd.grad(model(x).sum(), x, create_graph=True)
+        gx.pow(2).sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.inp = nn.Linear(64, 64)
+        self.block = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+        self.out = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        h = checkpoint(self.block, h, use_reentrant=self.reentrant)
+        return self.out(torch.relu(h))
+
+
+def test_checkpointing_inside_the_model() -> None:
+    for reentrant in (False, True):
+        torch.manual_seed(0)
+        model = Checkpointed(reentrant)
+        x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+        closure = make_closure(model, x, y)
+        closure()
+        reference = grads_of(model)
+        with Controller(model, GactConfig.from_level("L2", min_numel=0)) as controller:
+            for _ in range(3):
+                controller.iterate(closure)
+        assert controller.stats()["compressed_tensors"] > 0
+        model.zero_grad()
+        with Controller(model, GactConfig.from_level("L1.1", min_numel=0)) as controller:
+            controller.iterate(closure)
+        assert _relative_error(grads_of(model), reference) < 0.02, reentrant
+
+
+def test_forward_without_backward_frees_everything() -> None:
+    model, x, y = make_case("cnn")
+    with Controller(model, GactConfig.from_level("L1", min_numel=0)) as controller:
+        for _ in range(3):
+            F.cross_entropy(model(x), y)  # graph dropped: backward never runs
+        gc.collect()
+        assert not [o for o in gc.get_objects() if isinstance(o, Saved)]
+        assert len(controller.hooks.live) == 0
+        controller.step()
+        controller.iterate(make_closure(model, x, y))
+    assert controller.stats()["compressed_tensors"] > 0
+
+
+def test_bf16_autocast_training_on_cpu() -> None:
+    model, x, y = make_case("transformer")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    with Controller(model, GactConfig.from_level("L2", min_numel=0, adapt_interval=10)) as ctl:
+        for _ in range(25):
+
+            def closure() -> torch.Tensor:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = F.cross_entropy(model(x), y)
+                optimizer.zero_grad()
+                loss.backward()
+                return loss
+
+            losses.append(float(ctl.iterate(closure)))
+            optimizer.step()
+        records = ctl.ledger.last
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < 0.5 * losses[0]
+    assert records is not None
+    assert any(r.dtype == torch.bfloat16 and r.kind.value == "quantized" for r in records.values())
