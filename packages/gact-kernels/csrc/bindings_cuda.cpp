@@ -1,0 +1,57 @@
+// pybind11 module gact_kernels._cuda: integer addresses, sizes, device index and cudaStream_t.
+// Compiled by the host compiler; the kernels live in cuda.cu.
+#include <pybind11/pybind11.h>
+
+#include "kernels.h"
+
+namespace py = pybind11;
+
+namespace {
+template <typename T>
+T* ptr(uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
+}  // namespace
+
+PYBIND11_MODULE(_cuda, m) {
+  m.doc() = "gact-kernels CUDA kernels (asynchronous on the given stream).";
+  using Release = py::call_guard<py::gil_scoped_release>;
+  m.def(
+      "quantize",
+      [](uintptr_t x, int dtype, int64_t n, int64_t group_size, int bits, uint64_t seed,
+         uintptr_t out, uintptr_t lo, uintptr_t scale, int device, uintptr_t stream) {
+        gact::quantize_cuda(ptr<const void>(x), dtype, n, group_size, bits, seed,
+                            ptr<uint8_t>(out), ptr<float>(lo), ptr<float>(scale), device,
+                            ptr<void>(stream));
+      },
+      py::arg("x"), py::arg("dtype"), py::arg("n"), py::arg("group_size"), py::arg("bits"),
+      py::arg("seed"), py::arg("out"), py::arg("lo"), py::arg("scale"), py::arg("device"),
+      py::arg("stream"), Release());
+  m.def(
+      "dequantize",
+      [](uintptr_t data, uintptr_t lo, uintptr_t scale, int64_t n, int64_t group_size, int bits,
+         int dtype, uintptr_t out, int device, uintptr_t stream) {
+        gact::dequantize_cuda(ptr<const uint8_t>(data), ptr<const float>(lo),
+                              ptr<const float>(scale), n, group_size, bits, dtype, ptr<void>(out),
+                              device, ptr<void>(stream));
+      },
+      py::arg("data"), py::arg("lo"), py::arg("scale"), py::arg("n"), py::arg("group_size"),
+      py::arg("bits"), py::arg("dtype"), py::arg("out"), py::arg("device"), py::arg("stream"),
+      Release());
+  m.def(
+      "pack_mask",
+      [](uintptr_t in, int64_t n, uintptr_t out, int device, uintptr_t stream) {
+        gact::pack_mask_cuda(ptr<const uint8_t>(in), n, ptr<uint8_t>(out), device,
+                             ptr<void>(stream));
+      },
+      py::arg("mask"), py::arg("n"), py::arg("out"), py::arg("device"), py::arg("stream"),
+      Release());
+  m.def(
+      "unpack_mask",
+      [](uintptr_t in, int64_t n, uintptr_t out, int device, uintptr_t stream) {
+        gact::unpack_mask_cuda(ptr<const uint8_t>(in), n, ptr<uint8_t>(out), device,
+                               ptr<void>(stream));
+      },
+      py::arg("packed"), py::arg("n"), py::arg("out"), py::arg("device"), py::arg("stream"),
+      Release());
+}

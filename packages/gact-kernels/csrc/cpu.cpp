@@ -1,0 +1,217 @@
+// CPU kernels: OpenMP over groups (or mask bytes); inner loops are branch-free and written so
+// that gcc vectorises them. See NOTE [storage and RNG invariants] in common.h.
+#include <omp.h>
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <vector>
+
+#include "common.h"
+#include "kernels.h"
+
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "gact-kernels assumes little endian");
+
+namespace gact {
+namespace {
+
+constexpr int64_t kSerialBelow = 1 << 15;  // elements; smaller inputs run on one thread
+
+int team_size(int threads, int64_t work) {
+  if (work < kSerialBelow) return 1;
+  return threads > 0 ? threads : omp_get_max_threads();
+}
+
+template <int DT>
+const float* as_floats(const typename Elem<DT>::type* x, int64_t m, float* buf) {
+  if constexpr (DT == kFloat32) {
+    return x;
+  } else {
+    for (int64_t j = 0; j < m; ++j) buf[j] = Elem<DT>::load(x[j]);
+    return buf;
+  }
+}
+
+GroupParams params_of(const float* __restrict xs, int64_t m, float levels) {
+  float mn[kChunk], mx[kChunk];
+  uint32_t bad[kChunk];
+  for (int k = 0; k < kChunk; ++k) {
+    mn[k] = xs[0];
+    mx[k] = xs[0];
+    bad[k] = 0;
+  }
+  int64_t j = 0;
+  for (; j + kChunk <= m; j += kChunk) {
+    for (int k = 0; k < kChunk; ++k) {
+      const float v = xs[j + k];
+      mn[k] = f_min(v, mn[k]);
+      mx[k] = f_max(v, mx[k]);
+      bad[k] |= is_nonfinite(v);
+    }
+  }
+  for (; j < m; ++j) {
+    mn[0] = f_min(xs[j], mn[0]);
+    mx[0] = f_max(xs[j], mx[0]);
+    bad[0] |= is_nonfinite(xs[j]);
+  }
+  for (int k = 1; k < kChunk; ++k) {
+    mn[0] = f_min(mn[k], mn[0]);
+    mx[0] = f_max(mx[k], mx[0]);
+    bad[0] |= bad[k];
+  }
+  return group_params(mn[0], mx[0], bad[0], levels);
+}
+
+void codes_of(const float* __restrict xs, int64_t m, GroupParams p, float levels, uint64_t key,
+              uint64_t first, uint8_t* __restrict q) {
+  for (int64_t j = 0; j < m; ++j) {
+    q[j] = static_cast<uint8_t>(
+        quantize_one(xs[j], p.lo, p.scale, levels, uniform24(key, first + j)));
+  }
+}
+
+// Packs m codes (q must be readable and zero up to the next multiple of 8) into ceil(m*B/8) bytes.
+template <int B>
+void pack_codes(const uint8_t* __restrict q, int64_t m, uint8_t* __restrict dst) {
+  const int64_t full = m / kChunk;
+  for (int64_t c = 0; c < full; ++c) {
+    uint64_t w = 0;
+    for (int j = 0; j < kChunk; ++j) w |= static_cast<uint64_t>(q[c * kChunk + j]) << (j * B);
+    std::memcpy(dst + c * B, &w, B);
+  }
+  if (const int64_t rest = m - full * kChunk) {
+    uint64_t w = 0;
+    for (int j = 0; j < rest; ++j) w |= static_cast<uint64_t>(q[full * kChunk + j]) << (j * B);
+    std::memcpy(dst + full * B, &w, (rest * B + 7) / 8);
+  }
+}
+
+template <int B>
+void unpack_codes(const uint8_t* __restrict src, int64_t m, uint8_t* __restrict q) {
+  constexpr uint64_t mask = (1u << B) - 1;
+  const int64_t chunks = (m + kChunk - 1) / kChunk;
+  for (int64_t c = 0; c < chunks; ++c) {
+    uint64_t w = 0;
+    const int64_t left = m - c * kChunk;
+    std::memcpy(&w, src + c * B, left >= kChunk ? B : (left * B + 7) / 8);
+    for (int j = 0; j < kChunk; ++j) q[c * kChunk + j] = static_cast<uint8_t>((w >> (j * B)) & mask);
+  }
+}
+
+template <int DT, int B>
+void quantize_impl(const typename Elem<DT>::type* x, int64_t n, int64_t G, uint64_t key,
+                   uint8_t* out, float* lo, float* scale, int threads) {
+  const int64_t groups = (n + G - 1) / G;
+  const float levels = static_cast<float>((1 << B) - 1);
+#pragma omp parallel num_threads(team_size(threads, n))
+  {
+    std::vector<float> fbuf(DT == kFloat32 ? 0 : G);
+    std::vector<uint8_t> qbuf(B == 8 ? 0 : G + kChunk, 0);
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t first = g * G;
+      const int64_t m = std::min(G, n - first);
+      const float* xs = as_floats<DT>(x + first, m, fbuf.data());
+      const GroupParams p = params_of(xs, m, levels);
+      lo[g] = p.lo;
+      scale[g] = p.scale;
+      uint8_t* dst = out + first / kChunk * B;
+      if (!(p.scale > 0.0f)) {  // constant (0) or flagged (NaN) group: all codes 0
+        std::memset(dst, 0, (m * B + 7) / 8);
+        continue;
+      }
+      if constexpr (B == 8) {
+        codes_of(xs, m, p, levels, key, first, dst);
+      } else {
+        codes_of(xs, m, p, levels, key, first, qbuf.data());
+        std::memset(qbuf.data() + m, 0, kChunk);
+        pack_codes<B>(qbuf.data(), m, dst);
+      }
+    }
+  }
+}
+
+template <int DT, int B>
+void dequantize_impl(const uint8_t* data, const float* lo, const float* scale, int64_t n,
+                     int64_t G, typename Elem<DT>::type* out, int threads) {
+  const int64_t groups = (n + G - 1) / G;
+#pragma omp parallel num_threads(team_size(threads, n))
+  {
+    std::vector<uint8_t> qbuf(B == 8 ? 0 : G + kChunk);
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t first = g * G;
+      const int64_t m = std::min(G, n - first);
+      const uint8_t* src = data + first / kChunk * B;
+      const uint8_t* __restrict q = src;
+      if constexpr (B != 8) {
+        unpack_codes<B>(src, m, qbuf.data());
+        q = qbuf.data();
+      }
+      const float l = lo[g], s = scale[g];
+      typename Elem<DT>::type* __restrict dst = out + first;
+      for (int64_t j = 0; j < m; ++j) dst[j] = Elem<DT>::store(dequantize_one(q[j], l, s));
+    }
+  }
+}
+
+template <int DT, int B>
+struct Quantize {
+  static void run(const void* x, int64_t n, int64_t G, uint64_t key, uint8_t* out, float* lo,
+                  float* scale, int threads) {
+    quantize_impl<DT, B>(static_cast<const typename Elem<DT>::type*>(x), n, G, key, out, lo,
+                         scale, threads);
+  }
+};
+template <int DT, int B>
+struct Dequantize {
+  static void run(const uint8_t* data, const float* lo, const float* scale, int64_t n, int64_t G,
+                  void* out, int threads) {
+    dequantize_impl<DT, B>(data, lo, scale, n, G, static_cast<typename Elem<DT>::type*>(out),
+                           threads);
+  }
+};
+
+}  // namespace
+
+void quantize_cpu(const void* x, int dtype, int64_t n, int64_t group_size, int bits,
+                  uint64_t seed, uint8_t* out, float* lo, float* scale, int threads) {
+  check_group_size(group_size);
+  if (n <= 0) return;
+  dispatch<Quantize>(dtype, bits, x, n, group_size, stream_key(seed), out, lo, scale, threads);
+}
+
+void dequantize_cpu(const uint8_t* data, const float* lo, const float* scale, int64_t n,
+                    int64_t group_size, int bits, int dtype, void* out, int threads) {
+  check_group_size(group_size);
+  if (n <= 0) return;
+  dispatch<Dequantize>(dtype, bits, data, lo, scale, n, group_size, out, threads);
+}
+
+bool pack_mask_cpu(const uint8_t* in, int64_t n, uint8_t* out, int threads) {
+  const int64_t bytes = (n + 7) / 8;
+  uint32_t invalid = 0;
+#pragma omp parallel for num_threads(team_size(threads, n)) schedule(static) reduction(| : invalid)
+  for (int64_t i = 0; i < bytes; ++i) {
+    const int64_t m = std::min<int64_t>(8, n - i * 8);
+    uint32_t byte = 0;
+    for (int j = 0; j < m; ++j) {
+      const uint8_t v = in[i * 8 + j];
+      byte |= static_cast<uint32_t>(v != 0) << j;
+      invalid |= v > 1;
+    }
+    out[i] = static_cast<uint8_t>(byte);
+  }
+  return invalid != 0;
+}
+
+void unpack_mask_cpu(const uint8_t* in, int64_t n, uint8_t* out, int threads) {
+  const int64_t bytes = (n + 7) / 8;
+#pragma omp parallel for num_threads(team_size(threads, n)) schedule(static)
+  for (int64_t i = 0; i < bytes; ++i) {
+    const int64_t m = std::min<int64_t>(8, n - i * 8);
+    for (int j = 0; j < m; ++j) out[i * 8 + j] = (in[i] >> j) & 1;
+  }
+}
+
+}  // namespace gact

@@ -1,0 +1,310 @@
+// CUDA kernels. One warp per group for quantize, one thread per 8-element chunk for dequantize,
+// 64-bit indices and grid-stride loops everywhere. Launches are asynchronous on the caller's
+// stream and never synchronise. See NOTE [storage and RNG invariants] in common.h.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <string>
+
+#include "common.h"
+#include "kernels.h"
+
+namespace gact {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int64_t kMaxBlocks = 1 << 16;  // grid-stride loops cover larger inputs
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    throw std::runtime_error(std::string("gact_kernels: ") + what + ": " + cudaGetErrorString(err));
+  }
+}
+
+// Makes `device` current for the launch and restores the previous device afterwards.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    check(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (previous_ != device) check(cudaSetDevice(device), "cudaSetDevice");
+    changed_ = previous_ != device;
+  }
+  ~DeviceGuard() {
+    if (changed_) cudaSetDevice(previous_);
+  }
+
+ private:
+  int previous_ = 0;
+  bool changed_ = false;
+};
+
+int blocks_for(int64_t threads) {
+  return static_cast<int>(std::min<int64_t>((threads + kThreads - 1) / kThreads, kMaxBlocks));
+}
+
+__device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+__device__ __forceinline__ bool aligned16(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
+}
+
+// Loads the `cnt` (<= 8) elements of a chunk as floats; missing elements read as 0.
+template <int DT>
+__device__ __forceinline__ void load_chunk(const typename Elem<DT>::type* p, int cnt,
+                                           float (&v)[kChunk]) {
+  if (cnt == kChunk && aligned16(p)) {
+    if constexpr (DT == kFloat32) {
+      const float4 a = reinterpret_cast<const float4*>(p)[0];
+      const float4 b = reinterpret_cast<const float4*>(p)[1];
+      v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
+      v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+    } else {
+      const uint4 a = *reinterpret_cast<const uint4*>(p);
+      const uint32_t w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        v[2 * k] = Elem<DT>::load(static_cast<uint16_t>(w[k] & 0xFFFFu));
+        v[2 * k + 1] = Elem<DT>::load(static_cast<uint16_t>(w[k] >> 16));
+      }
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) v[j] = j < cnt ? Elem<DT>::load(p[j]) : 0.0f;
+  }
+}
+
+template <int DT>
+__device__ __forceinline__ void store_chunk(typename Elem<DT>::type* p, int cnt,
+                                            const float (&v)[kChunk]) {
+  if (cnt == kChunk && aligned16(p)) {
+    if constexpr (DT == kFloat32) {
+      reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+      reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+    } else {
+      uint32_t w[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        w[k] = static_cast<uint32_t>(Elem<DT>::store(v[2 * k])) |
+               (static_cast<uint32_t>(Elem<DT>::store(v[2 * k + 1])) << 16);
+      }
+      *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  } else {
+    for (int j = 0; j < cnt; ++j) p[j] = Elem<DT>::store(v[j]);
+  }
+}
+
+// The b-bit codes of one chunk occupy B bytes (fewer for a partial last chunk).
+template <int B>
+__device__ __forceinline__ void store_codes(uint8_t* dst, uint64_t w, int cnt) {
+  if (cnt == kChunk && (B == 8 || B == 4 || B == 2 || B == 1)) {
+    if constexpr (B == 8) *reinterpret_cast<uint64_t*>(dst) = w;
+    if constexpr (B == 4) *reinterpret_cast<uint32_t*>(dst) = static_cast<uint32_t>(w);
+    if constexpr (B == 2) *reinterpret_cast<uint16_t*>(dst) = static_cast<uint16_t>(w);
+    if constexpr (B == 1) *dst = static_cast<uint8_t>(w);
+  } else {
+    const int bytes = (cnt * B + 7) / 8;
+    for (int k = 0; k < bytes; ++k) dst[k] = static_cast<uint8_t>(w >> (8 * k));
+  }
+}
+
+template <int B>
+__device__ __forceinline__ uint64_t load_codes(const uint8_t* src, int cnt) {
+  if (cnt == kChunk && (B == 8 || B == 4 || B == 2 || B == 1)) {
+    if constexpr (B == 8) return *reinterpret_cast<const uint64_t*>(src);
+    if constexpr (B == 4) return *reinterpret_cast<const uint32_t*>(src);
+    if constexpr (B == 2) return *reinterpret_cast<const uint16_t*>(src);
+    return *src;
+  }
+  uint64_t w = 0;
+  const int bytes = (cnt * B + 7) / 8;
+  for (int k = 0; k < bytes; ++k) w |= static_cast<uint64_t>(src[k]) << (8 * k);
+  return w;
+}
+
+template <int DT, int B>
+__global__ void __launch_bounds__(kThreads)
+    quantize_kernel(const typename Elem<DT>::type* __restrict__ x, int64_t n, int64_t G,
+                    uint64_t key, uint8_t* __restrict__ out, float* __restrict__ lo,
+                    float* __restrict__ scale) {
+  const int lane = threadIdx.x & 31;
+  const float levels = static_cast<float>((1 << B) - 1);
+  const int64_t groups = (n + G - 1) / G;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (kThreads / 32);
+  for (int64_t g = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5; g < groups;
+       g += warps) {
+    const int64_t first = g * G;
+    const int64_t m = min64(G, n - first);
+    const int64_t chunks = (m + kChunk - 1) / kChunk;
+    float mn = __int_as_float(0x7F800000), mx = -mn;
+    uint32_t bad = 0;
+    for (int64_t c = lane; c < chunks; c += 32) {
+      const int cnt = static_cast<int>(min64(kChunk, m - c * kChunk));
+      float v[kChunk];
+      load_chunk<DT>(x + first + c * kChunk, cnt, v);
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) {
+        if (j < cnt) {
+          mn = f_min(v[j], mn);
+          mx = f_max(v[j], mx);
+          bad |= is_nonfinite(v[j]);
+        }
+      }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      mn = f_min(__shfl_xor_sync(0xFFFFFFFFu, mn, off), mn);
+      mx = f_max(__shfl_xor_sync(0xFFFFFFFFu, mx, off), mx);
+      bad |= __shfl_xor_sync(0xFFFFFFFFu, bad, off);
+    }
+    const GroupParams p = group_params(mn, mx, bad, levels);
+    if (lane == 0) {
+      lo[g] = p.lo;
+      scale[g] = p.scale;
+    }
+    const bool coded = p.scale > 0.0f;  // false for constant (0) and flagged (NaN) groups
+    for (int64_t c = lane; c < chunks; c += 32) {
+      const int cnt = static_cast<int>(min64(kChunk, m - c * kChunk));
+      const int64_t e0 = first + c * kChunk;
+      uint64_t w = 0;
+      if (coded) {
+        float v[kChunk];
+        load_chunk<DT>(x + e0, cnt, v);
+#pragma unroll
+        for (int j = 0; j < kChunk; ++j) {
+          if (j < cnt) {
+            const uint32_t q = quantize_one(v[j], p.lo, p.scale, levels,
+                                            uniform24(key, static_cast<uint64_t>(e0 + j)));
+            w |= static_cast<uint64_t>(q) << (j * B);
+          }
+        }
+      }
+      store_codes<B>(out + e0 / kChunk * B, w, cnt);
+    }
+  }
+}
+
+template <int DT, int B>
+__global__ void __launch_bounds__(kThreads)
+    dequantize_kernel(const uint8_t* __restrict__ data, const float* __restrict__ lo,
+                      const float* __restrict__ scale, int64_t n, int64_t G,
+                      typename Elem<DT>::type* __restrict__ out) {
+  constexpr uint64_t mask = (1u << B) - 1;
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  for (int64_t c = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; c < chunks;
+       c += stride) {
+    const int64_t e0 = c * kChunk;
+    const int cnt = static_cast<int>(min64(kChunk, n - e0));
+    const int64_t g = e0 / G;
+    const float l = lo[g], s = scale[g];
+    const uint64_t w = load_codes<B>(data + c * B, cnt);
+    float v[kChunk];
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) {
+      v[j] = dequantize_one(static_cast<uint32_t>((w >> (j * B)) & mask), l, s);
+    }
+    store_chunk<DT>(out + e0, cnt, v);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    pack_mask_kernel(const uint8_t* __restrict__ in, int64_t n, uint8_t* __restrict__ out) {
+  const int64_t bytes = (n + 7) / 8;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < bytes;
+       i += stride) {
+    const uint8_t* p = in + i * 8;
+    const int cnt = static_cast<int>(min64(8, n - i * 8));
+    uint32_t byte = 0;
+    if (cnt == 8 && (reinterpret_cast<uintptr_t>(p) & 7) == 0) {
+      const uint64_t w = *reinterpret_cast<const uint64_t*>(p);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) byte |= static_cast<uint32_t>(((w >> (8 * j)) & 0xFF) != 0) << j;
+    } else {
+      for (int j = 0; j < cnt; ++j) byte |= static_cast<uint32_t>(p[j] != 0) << j;
+    }
+    out[i] = static_cast<uint8_t>(byte);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    unpack_mask_kernel(const uint8_t* __restrict__ in, int64_t n, uint8_t* __restrict__ out) {
+  const int64_t bytes = (n + 7) / 8;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < bytes;
+       i += stride) {
+    uint8_t* p = out + i * 8;
+    const int cnt = static_cast<int>(min64(8, n - i * 8));
+    const uint32_t byte = in[i];
+    if (cnt == 8 && (reinterpret_cast<uintptr_t>(p) & 7) == 0) {
+      uint64_t w = 0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) w |= static_cast<uint64_t>((byte >> j) & 1) << (8 * j);
+      *reinterpret_cast<uint64_t*>(p) = w;
+    } else {
+      for (int j = 0; j < cnt; ++j) p[j] = (byte >> j) & 1;
+    }
+  }
+}
+
+template <int DT, int B>
+struct Quantize {
+  static void run(const void* x, int64_t n, int64_t G, uint64_t key, uint8_t* out, float* lo,
+                  float* scale, cudaStream_t stream) {
+    const int64_t groups = (n + G - 1) / G;
+    quantize_kernel<DT, B><<<blocks_for(groups * 32), kThreads, 0, stream>>>(
+        static_cast<const typename Elem<DT>::type*>(x), n, G, key, out, lo, scale);
+  }
+};
+
+template <int DT, int B>
+struct Dequantize {
+  static void run(const uint8_t* data, const float* lo, const float* scale, int64_t n, int64_t G,
+                  void* out, cudaStream_t stream) {
+    dequantize_kernel<DT, B><<<blocks_for((n + kChunk - 1) / kChunk), kThreads, 0, stream>>>(
+        data, lo, scale, n, G, static_cast<typename Elem<DT>::type*>(out));
+  }
+};
+
+}  // namespace
+
+void quantize_cuda(const void* x, int dtype, int64_t n, int64_t group_size, int bits,
+                   uint64_t seed, uint8_t* out, float* lo, float* scale, int device,
+                   void* stream) {
+  check_group_size(group_size);
+  if (n <= 0) return;
+  DeviceGuard guard(device);
+  dispatch<Quantize>(dtype, bits, x, n, group_size, stream_key(seed), out, lo, scale,
+                     static_cast<cudaStream_t>(stream));
+  check(cudaGetLastError(), "quantize launch");
+}
+
+void dequantize_cuda(const uint8_t* data, const float* lo, const float* scale, int64_t n,
+                     int64_t group_size, int bits, int dtype, void* out, int device,
+                     void* stream) {
+  check_group_size(group_size);
+  if (n <= 0) return;
+  DeviceGuard guard(device);
+  dispatch<Dequantize>(dtype, bits, data, lo, scale, n, group_size, out,
+                       static_cast<cudaStream_t>(stream));
+  check(cudaGetLastError(), "dequantize launch");
+}
+
+void pack_mask_cuda(const uint8_t* in, int64_t n, uint8_t* out, int device, void* stream) {
+  if (n <= 0) return;
+  DeviceGuard guard(device);
+  pack_mask_kernel<<<blocks_for((n + 7) / 8), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      in, n, out);
+  check(cudaGetLastError(), "pack_mask launch");
+}
+
+void unpack_mask_cuda(const uint8_t* in, int64_t n, uint8_t* out, int device, void* stream) {
+  if (n <= 0) return;
+  DeviceGuard guard(device);
+  unpack_mask_kernel<<<blocks_for((n + 7) / 8), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      in, n, out);
+  check(cudaGetLastError(), "unpack_mask launch");
+}
+
+}  // namespace gact

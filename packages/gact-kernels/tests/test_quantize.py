@@ -1,0 +1,251 @@
+"""Round trips, exactness guarantees, storage size and agreement with the torch reference."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import subprocess
+import sys
+
+import gact_kernels
+import pytest
+import torch
+from conftest import DTYPES, assert_within_one_step, requires_cuda
+from gact_kernels.reference import reference_dequantize, reference_quantize
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+SHAPES = [(), (0,), (0, 5), (1,), (7,), (255,), (256,), (257,), (3, 5, 7), (2, 3, 4, 5, 6)]
+
+
+def expected_nbytes(n: int, bits: int, group_size: int, lossless: int, elem: int) -> int:
+    return (
+        math.ceil(n * bits / 8) + 8 * math.ceil(n / group_size) + lossless * (8 + group_size * elem)
+    )
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN payloads and signed zeros included)."""
+    a, b = a.detach().cpu().reshape(-1), b.detach().cpu().reshape(-1)
+    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def assert_same(a: gact_kernels.QuantizedTensor, b: gact_kernels.QuantizedTensor) -> None:
+    for name in ("data", "lo", "scale", "nonfinite_groups", "nonfinite_values"):
+        x, y = getattr(a, name).cpu(), getattr(b, name).cpu()
+        assert x.dtype == y.dtype and x.shape == y.shape, name
+        assert bits_equal(x, y), name
+    assert (a.bits, a.group_size, a.shape, a.dtype) == (b.bits, b.group_size, b.shape, b.dtype)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_round_trip_within_one_step(bits: int, dtype: torch.dtype, shape: tuple) -> None:
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(bits)) * 3).to(dtype)
+    q = gact_kernels.quantize(x, bits, seed=bits)
+    assert (q.bits, q.shape, q.dtype, q.device, q.group_size) == (
+        bits,
+        x.shape,
+        dtype,
+        x.device,
+        256,
+    )
+    assert q.numel == x.numel()
+    assert q.nbytes == expected_nbytes(x.numel(), bits, 256, 0, x.element_size())
+    assert_within_one_step(x, q)
+
+
+@pytest.mark.parametrize("group_size", [8, 64, 256, 1000, 4096])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_matches_reference_bytes(bits: int, dtype: torch.dtype, group_size: int) -> None:
+    x = torch.randn(5 * group_size + 13, dtype=torch.float32).mul_(10).to(dtype)
+    q = gact_kernels.quantize(x, bits, group_size=group_size, seed=12345)
+    r = reference_quantize(x, bits, group_size=group_size, seed=12345)
+    assert_same(q, r)
+    y = gact_kernels.dequantize(q)
+    assert bits_equal(y, reference_dequantize(r))
+    assert_within_one_step(x, q)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shape=st.lists(st.integers(0, 9), min_size=0, max_size=5),
+    bits=st.integers(1, 8),
+    group_size=st.sampled_from([8, 16, 32, 40, 256, 512]),
+    seed=st.integers(0, 2**64 - 1),
+    dtype=st.sampled_from(DTYPES),
+)
+def test_property_matches_reference(shape, bits, group_size, seed, dtype) -> None:
+    x = torch.randn(shape).mul_(100).to(dtype)
+    q = gact_kernels.quantize(x, bits, group_size=group_size, seed=seed)
+    assert_same(q, reference_quantize(x, bits, group_size=group_size, seed=seed))
+    assert bits_equal(gact_kernels.dequantize(q), reference_dequantize(q))
+    assert_within_one_step(x, q)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda b: b.t(),
+        lambda b: b[:, ::3],
+        lambda b: b[5:, 2:-1],
+        lambda b: b[:, None].expand(300, 2, 301),
+    ],
+    ids=["transposed", "strided", "sliced", "expanded"],
+)
+def test_non_contiguous_inputs(make) -> None:
+    x = make(torch.randn(300, 301))
+    assert not x.is_contiguous()
+    q = gact_kernels.quantize(x, 3, seed=5)
+    assert_same(q, gact_kernels.quantize(x.contiguous(), 3, seed=5))
+    assert_within_one_step(x, q)
+
+
+def test_deterministic_across_calls_and_seeds() -> None:
+    x = torch.randn(10_000)
+    a, b = gact_kernels.quantize(x, 2, seed=99), gact_kernels.quantize(x, 2, seed=99)
+    assert_same(a, b)
+    assert not torch.equal(a.data, gact_kernels.quantize(x, 2, seed=100).data)
+
+
+_HASH_SCRIPT = """
+import hashlib, torch, gact_kernels
+torch.set_num_threads({threads})
+x = torch.randn(300_000, generator=torch.Generator().manual_seed(0)).to(torch.{dtype})
+q = gact_kernels.quantize(x, {bits}, seed=2**63 + 7)
+h = hashlib.sha256()
+for t in (q.data, q.lo, q.scale):
+    h.update(t.numpy().tobytes())
+print(torch.get_num_threads(), h.hexdigest())
+"""
+
+
+@pytest.mark.parametrize("bits,dtype", [(3, "bfloat16"), (8, "float32")])
+def test_deterministic_across_thread_counts(bits: int, dtype: str) -> None:
+    digests = set()
+    for threads in ("1", "2", "5"):
+        env = dict(os.environ, OMP_NUM_THREADS=threads)
+        out = subprocess.run(
+            [sys.executable, "-c", _HASH_SCRIPT.format(bits=bits, dtype=dtype, threads=threads)],
+            env=env, capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        used, digest = out.stdout.split()
+        assert used == threads
+        digests.add(digest)
+    assert len(digests) == 1
+    x = torch.randn(100_000)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = gact_kernels.quantize(x, 5, seed=3)
+        torch.set_num_threads(3)
+        assert_same(one, gact_kernels.quantize(x, 5, seed=3))
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bits", [1, 3, 8])
+def test_constant_groups_exact(bits: int, dtype: torch.dtype) -> None:
+    x = torch.cat([torch.full((256,), 3.140625), torch.zeros(256), torch.full((100,), -7.5)])
+    x = x.to(dtype)
+    q = gact_kernels.quantize(x, bits, seed=1)
+    assert torch.equal(q.scale, torch.zeros(3))
+    assert torch.equal(gact_kernels.dequantize(q), x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bits", [1, 4, 5])
+def test_nonfinite_groups_lossless(bits: int, dtype: torch.dtype) -> None:
+    x = torch.randn(4 * 256 + 77).to(dtype)
+    x[3] = float("nan")
+    x[256 + 10] = float("inf")
+    x[2 * 256 + 5] = float("-inf")
+    x[-1] = float("nan")
+    x[-2] = float("inf")
+    q = gact_kernels.quantize(x, bits, seed=4)
+    assert q.nonfinite_groups.tolist() == [0, 1, 2, 4]
+    assert torch.isnan(q.scale).tolist() == [True, True, True, False, True]
+    assert q.nbytes == expected_nbytes(x.numel(), bits, 256, 4, x.element_size())
+    y = gact_kernels.dequantize(q)
+    assert bits_equal(y[:768], x[:768]) and bits_equal(y[1024:], x[1024:])
+    assert_within_one_step(x, q)
+    assert_same(q, reference_quantize(x, bits, seed=4))
+
+
+def test_overflowing_range_is_lossless() -> None:
+    x = torch.tensor([-3e38, 3e38] * 8)
+    q = gact_kernels.quantize(x, 4, group_size=8)
+    assert q.nonfinite_groups.tolist() == [0, 1]
+    assert torch.equal(gact_kernels.dequantize(q), x)
+
+
+def test_nbytes_formula_default_group() -> None:
+    q = gact_kernels.quantize(torch.randn(1000, 7), 3)
+    assert q.nbytes == math.ceil(7000 * 3 / 8) + 8 * math.ceil(7000 / 256)
+    assert q.data.numel() == 2625 and q.lo.numel() == q.scale.numel() == 28
+
+
+def test_frozen_to_and_buffers() -> None:
+    x = torch.randn(3, 1000)
+    q = gact_kernels.quantize(x, 4)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        q.bits = 2
+    moved = q.to("cpu", non_blocking=True)
+    assert_same(q, moved)
+    assert len(q.buffers()) == 5 and all(isinstance(t, torch.Tensor) for t in q.buffers())
+    with pytest.raises(ValueError, match="pin_memory=True needs device='cpu'"):
+        q.to("cuda", pin_memory=True)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_cuda_matches_cpu_bytes(bits: int, dtype: torch.dtype) -> None:
+    x = torch.randn(3, 7, 1001).mul_(5).to(dtype)
+    x[0, 0, 0] = float("nan")
+    x[2, 6, -1] = float("-inf")
+    for group_size in (8, 256, 4096):
+        cpu = gact_kernels.quantize(x, bits, group_size=group_size, seed=2**64 - 1)
+        gpu = gact_kernels.quantize(x.cuda(), bits, group_size=group_size, seed=2**64 - 1)
+        assert gpu.device.type == "cuda"
+        assert_same(cpu, gpu)
+        y_gpu = gact_kernels.dequantize(gpu)
+        assert y_gpu.device.type == "cuda"
+        y_cpu = gact_kernels.dequantize(cpu)
+        assert bits_equal(y_gpu, y_cpu)
+        assert bits_equal(gact_kernels.dequantize(cpu.to("cuda")), y_cpu)
+
+
+@requires_cuda
+def test_cuda_non_contiguous_and_pinned() -> None:
+    x = torch.randn(513, 257, device="cuda").t()
+    q = gact_kernels.quantize(x, 4, seed=8)
+    assert_same(q, gact_kernels.quantize(x.cpu(), 4, seed=8))
+    host = q.to("cpu", pin_memory=True)
+    assert all(t.is_pinned() for t in host.buffers())
+    back = host.to(x.device, non_blocking=True)
+    assert bits_equal(gact_kernels.dequantize(back), gact_kernels.dequantize(q))
+
+
+@requires_cuda
+def test_cuda_more_than_2_pow_31_elements() -> None:
+    n = 2**31 + 1000
+    if torch.cuda.get_device_properties(0).total_memory < 16 * 2**30:
+        pytest.skip("needs 16 GiB of GPU memory")
+    x = torch.empty(n, dtype=torch.float16, device="cuda").uniform_(-1, 1)
+    x[-1] = 5.0
+    q = gact_kernels.quantize(x, 2, seed=11)
+    assert q.data.numel() == math.ceil(n * 2 / 8) and q.lo.numel() == math.ceil(n / 256)
+    tail = x[-1000:].float()  # the last, partial group
+    assert q.lo[-1].item() == tail.min().item()
+    assert q.scale[-1].item() == pytest.approx((5.0 - tail.min().item()) / 3, rel=1e-6)
+    y = gact_kernels.dequantize(q)
+    for start in range(0, n, 2**28):
+        part = slice(start, start + 2**28)
+        step = q.scale.repeat_interleave(256)[:n][part].float()
+        err = (y[part].float() - x[part].float()).abs()
+        assert bool((err <= step * 1.001 + 1e-3).all())
