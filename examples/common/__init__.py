@@ -1,0 +1,1 @@
+"""Code shared by the GACT examples: data loaders, the training-loop helpers, measurement."""
