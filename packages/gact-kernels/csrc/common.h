@@ -15,8 +15,11 @@
 //    (x - lo) / scale + u >= 0, so truncation equals floor. scale == 0 stores q = 0.
 //  * A group holding NaN/Inf, or whose range hi - lo overflows, is "flagged": lo = 0,
 //    scale = NaN, q = 0. The Python wrapper stores such groups losslessly.
-//  * RNG: u for element e is a pure function of (seed, e): key = mix64(seed + GAMMA),
-//    h = mix64(key + e * GAMMA) (splitmix64), u = (h >> 40) * 2^-24, i.e. the top 24 bits.
+//  * RNG: u for element e is a pure function of (seed, e). Per call k = mix64(seed + GAMMA)
+//    (splitmix64 finaliser), k0/k1 = its low/high 32 bits. Per element, in uint32 arithmetic:
+//      h = ((lo32(e) * 0x9E3779B1) ^ (hi32(e) * 0x85EBCA77 + k1)) + k0, then the lowbias32
+//      finaliser (h ^= h>>16; h *= 0x7FEB352D; h ^= h>>15; h *= 0x846CA68B; h ^= h>>16),
+//      u = (h >> 8) * 2^-24 (24 random bits, exact in fp32).
 //    The result does not depend on threads, blocks, streams or devices.
 #pragma once
 
@@ -35,6 +38,10 @@ namespace gact {
 constexpr uint64_t kGamma = 0x9E3779B97F4A7C15ull;
 constexpr uint64_t kMix1 = 0xBF58476D1CE4E5B9ull;
 constexpr uint64_t kMix2 = 0x94D049BB133111EBull;
+constexpr uint32_t kLowMul = 0x9E3779B1u;
+constexpr uint32_t kHighMul = 0x85EBCA77u;
+constexpr uint32_t kFin1 = 0x7FEB352Du;
+constexpr uint32_t kFin2 = 0x846CA68Bu;
 constexpr int kChunk = 8;  // elements per chunk; a chunk of b-bit codes is exactly b bytes
 
 enum DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
@@ -121,20 +128,35 @@ GACT_HD uint16_t float_to_bf16(float f) {
 }
 
 // ---- counter-based random stream -------------------------------------------------------------
-GACT_HD uint64_t mix64(uint64_t z) {
+GACT_HD uint64_t mix64(uint64_t z) {  // splitmix64 finaliser
   z = (z ^ (z >> 30)) * kMix1;
   z = (z ^ (z >> 27)) * kMix2;
   return z ^ (z >> 31);
 }
-// Per-call key; computed once on the host.
-inline uint64_t stream_key(uint64_t seed) { return mix64(seed + kGamma); }
-// u in [0, 1) with 24 random bits for global element index `e`. The final `z ^ (z >> 31)` of
-// mix64 does not touch the top 24 bits, so it is skipped.
-GACT_HD float uniform24(uint64_t key, uint64_t e) {
-  uint64_t z = key + e * kGamma;
-  z = (z ^ (z >> 30)) * kMix1;
-  z = (z ^ (z >> 27)) * kMix2;
-  return static_cast<float>(static_cast<int32_t>(z >> 40)) * 5.9604644775390625e-08f /* 2^-24 */;
+// Per-call key, computed once on the host: k0 = low, k1 = high 32 bits of mix64(seed + GAMMA).
+struct StreamKey {
+  uint32_t k0;
+  uint32_t k1;
+};
+inline StreamKey stream_key(uint64_t seed) {
+  const uint64_t k = mix64(seed + kGamma);
+  return {static_cast<uint32_t>(k), static_cast<uint32_t>(k >> 32)};
+}
+// The part of the hash input that depends on the high 32 bits of the element index; constant
+// over runs of 2^32 elements, so the CPU loop hoists it.
+GACT_HD uint32_t stream_high(StreamKey key, uint64_t e) {
+  return static_cast<uint32_t>(e >> 32) * kHighMul + key.k1;
+}
+// u in [0, 1) with 24 random bits for the element whose index has low 32 bits `e_low`.
+// 32-bit arithmetic only (cheap in SIMD lanes and on GPUs); lowbias32 finaliser.
+GACT_HD float uniform24(StreamKey key, uint32_t high, uint32_t e_low) {
+  uint32_t h = ((e_low * kLowMul) ^ high) + key.k0;
+  h ^= h >> 16;
+  h *= kFin1;
+  h ^= h >> 15;
+  h *= kFin2;
+  h ^= h >> 16;
+  return static_cast<float>(static_cast<int32_t>(h >> 8)) * 5.9604644775390625e-08f /* 2^-24 */;
 }
 
 // ---- quantisation ------------------------------------------------------------------------------

@@ -17,22 +17,32 @@ namespace {
 
 constexpr int64_t kSerialBelow = 1 << 15;  // elements; smaller inputs run on one thread
 
+// Hot loops get an AVX2 clone picked at load time (ifunc); the default clone is baseline x86-64,
+// so a wheel built here runs on any x86-64 CPU. Both clones do the same IEEE operations.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define GACT_SIMD __attribute__((target_clones("avx2", "default")))
+#else
+#define GACT_SIMD
+#endif
+
 int team_size(int threads, int64_t work) {
   if (work < kSerialBelow) return 1;
   return threads > 0 ? threads : omp_get_max_threads();
 }
 
 template <int DT>
-const float* as_floats(const typename Elem<DT>::type* x, int64_t m, float* buf) {
-  if constexpr (DT == kFloat32) {
-    return x;
-  } else {
-    for (int64_t j = 0; j < m; ++j) buf[j] = Elem<DT>::load(x[j]);
-    return buf;
-  }
+GACT_SIMD void to_floats(const typename Elem<DT>::type* __restrict x, int64_t m,
+                         float* __restrict buf) {
+  for (int64_t j = 0; j < m; ++j) buf[j] = Elem<DT>::load(x[j]);
 }
 
-GroupParams params_of(const float* __restrict xs, int64_t m, float levels) {
+template <int DT>
+GACT_SIMD void from_floats(const float* __restrict v, int64_t m,
+                           typename Elem<DT>::type* __restrict out) {
+  for (int64_t j = 0; j < m; ++j) out[j] = Elem<DT>::store(v[j]);
+}
+
+GACT_SIMD GroupParams params_of(const float* __restrict xs, int64_t m, float levels) {
   float mn[kChunk], mx[kChunk];
   uint32_t bad[kChunk];
   for (int k = 0; k < kChunk; ++k) {
@@ -62,44 +72,75 @@ GroupParams params_of(const float* __restrict xs, int64_t m, float levels) {
   return group_params(mn[0], mx[0], bad[0], levels);
 }
 
-void codes_of(const float* __restrict xs, int64_t m, GroupParams p, float levels, uint64_t key,
-              uint64_t first, uint8_t* __restrict q) {
-  for (int64_t j = 0; j < m; ++j) {
+// Codes of m elements whose indices have constant high 32 bits.
+GACT_SIMD void codes_run(const float* __restrict xs, uint32_t m, GroupParams p, float levels,
+                         StreamKey key, uint32_t high, uint32_t e_low, uint8_t* __restrict q) {
+  for (uint32_t j = 0; j < m; ++j) {
     q[j] = static_cast<uint8_t>(
-        quantize_one(xs[j], p.lo, p.scale, levels, uniform24(key, first + j)));
+        quantize_one(xs[j], p.lo, p.scale, levels, uniform24(key, high, e_low + j)));
   }
 }
 
-// Packs m codes (q must be readable and zero up to the next multiple of 8) into ceil(m*B/8) bytes.
-template <int B>
-void pack_codes(const uint8_t* __restrict q, int64_t m, uint8_t* __restrict dst) {
-  const int64_t full = m / kChunk;
-  for (int64_t c = 0; c < full; ++c) {
-    uint64_t w = 0;
-    for (int j = 0; j < kChunk; ++j) w |= static_cast<uint64_t>(q[c * kChunk + j]) << (j * B);
-    std::memcpy(dst + c * B, &w, B);
-  }
-  if (const int64_t rest = m - full * kChunk) {
-    uint64_t w = 0;
-    for (int j = 0; j < rest; ++j) w |= static_cast<uint64_t>(q[full * kChunk + j]) << (j * B);
-    std::memcpy(dst + full * B, &w, (rest * B + 7) / 8);
+void codes_of(const float* xs, int64_t m, GroupParams p, float levels, StreamKey key,
+              uint64_t first, uint8_t* q) {
+  while (m > 0) {  // one run unless the group straddles a multiple of 2^32
+    const int64_t run = std::min<int64_t>(m, (int64_t{1} << 32) - (first & 0xFFFFFFFFu));
+    codes_run(xs, static_cast<uint32_t>(run), p, levels, key, stream_high(key, first),
+              static_cast<uint32_t>(first), q);
+    xs += run, q += run, first += run, m -= run;
   }
 }
 
+// Packs m codes (q readable and zero up to the next multiple of 8) into ceil(m*B/8) bytes.
 template <int B>
-void unpack_codes(const uint8_t* __restrict src, int64_t m, uint8_t* __restrict q) {
-  constexpr uint64_t mask = (1u << B) - 1;
-  const int64_t chunks = (m + kChunk - 1) / kChunk;
-  for (int64_t c = 0; c < chunks; ++c) {
-    uint64_t w = 0;
-    const int64_t left = m - c * kChunk;
-    std::memcpy(&w, src + c * B, left >= kChunk ? B : (left * B + 7) / 8);
-    for (int j = 0; j < kChunk; ++j) q[c * kChunk + j] = static_cast<uint8_t>((w >> (j * B)) & mask);
+GACT_SIMD void pack_codes(const uint8_t* __restrict q, int64_t m, uint8_t* __restrict dst) {
+  if constexpr (8 % B == 0) {  // B in {1, 2, 4}: whole codes per byte
+    constexpr int per = 8 / B;
+    const int64_t bytes = (m + per - 1) / per;
+    for (int64_t i = 0; i < bytes; ++i) {
+      uint32_t byte = 0;
+      for (int k = 0; k < per; ++k) byte |= static_cast<uint32_t>(q[i * per + k]) << (k * B);
+      dst[i] = static_cast<uint8_t>(byte);
+    }
+  } else {
+    const int64_t chunks = (m + kChunk - 1) / kChunk;
+    for (int64_t c = 0; c < chunks; ++c) {
+      uint64_t w = 0;
+      for (int j = 0; j < kChunk; ++j) w |= static_cast<uint64_t>(q[c * kChunk + j]) << (j * B);
+      const int64_t left = m - c * kChunk;
+      std::memcpy(dst + c * B, &w, left >= kChunk ? B : (left * B + 7) / 8);
+    }
   }
+}
+
+// Unpacks ceil(m/8)*8 codes (q must have room for them).
+template <int B>
+GACT_SIMD void unpack_codes(const uint8_t* __restrict src, int64_t m, uint8_t* __restrict q) {
+  constexpr uint32_t mask = (1u << B) - 1;
+  if constexpr (8 % B == 0) {
+    constexpr int per = 8 / B;
+    const int64_t bytes = (m * B + 7) / 8;
+    for (int64_t i = 0; i < bytes; ++i) {
+      for (int k = 0; k < per; ++k) q[i * per + k] = static_cast<uint8_t>((src[i] >> (k * B)) & mask);
+    }
+  } else {
+    const int64_t chunks = (m + kChunk - 1) / kChunk;
+    for (int64_t c = 0; c < chunks; ++c) {
+      uint64_t w = 0;
+      const int64_t left = m - c * kChunk;
+      std::memcpy(&w, src + c * B, left >= kChunk ? B : (left * B + 7) / 8);
+      for (int j = 0; j < kChunk; ++j) q[c * kChunk + j] = static_cast<uint8_t>((w >> (j * B)) & mask);
+    }
+  }
+}
+
+GACT_SIMD void dequantize_run(const uint8_t* __restrict q, int64_t m, float lo, float scale,
+                              float* __restrict out) {
+  for (int64_t j = 0; j < m; ++j) out[j] = dequantize_one(q[j], lo, scale);
 }
 
 template <int DT, int B>
-void quantize_impl(const typename Elem<DT>::type* x, int64_t n, int64_t G, uint64_t key,
+void quantize_impl(const typename Elem<DT>::type* x, int64_t n, int64_t G, StreamKey key,
                    uint8_t* out, float* lo, float* scale, int threads) {
   const int64_t groups = (n + G - 1) / G;
   const float levels = static_cast<float>((1 << B) - 1);
@@ -111,7 +152,11 @@ void quantize_impl(const typename Elem<DT>::type* x, int64_t n, int64_t G, uint6
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t first = g * G;
       const int64_t m = std::min(G, n - first);
-      const float* xs = as_floats<DT>(x + first, m, fbuf.data());
+      const float* xs = reinterpret_cast<const float*>(x + first);
+      if constexpr (DT != kFloat32) {
+        to_floats<DT>(x + first, m, fbuf.data());
+        xs = fbuf.data();
+      }
       const GroupParams p = params_of(xs, m, levels);
       lo[g] = p.lo;
       scale[g] = p.scale;
@@ -138,26 +183,29 @@ void dequantize_impl(const uint8_t* data, const float* lo, const float* scale, i
 #pragma omp parallel num_threads(team_size(threads, n))
   {
     std::vector<uint8_t> qbuf(B == 8 ? 0 : G + kChunk);
+    std::vector<float> fbuf(DT == kFloat32 ? 0 : G);
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t first = g * G;
       const int64_t m = std::min(G, n - first);
-      const uint8_t* src = data + first / kChunk * B;
-      const uint8_t* __restrict q = src;
+      const uint8_t* q = data + first / kChunk * B;
       if constexpr (B != 8) {
-        unpack_codes<B>(src, m, qbuf.data());
+        unpack_codes<B>(q, m, qbuf.data());
         q = qbuf.data();
       }
-      const float l = lo[g], s = scale[g];
-      typename Elem<DT>::type* __restrict dst = out + first;
-      for (int64_t j = 0; j < m; ++j) dst[j] = Elem<DT>::store(dequantize_one(q[j], l, s));
+      if constexpr (DT == kFloat32) {
+        dequantize_run(q, m, lo[g], scale[g], out + first);
+      } else {
+        dequantize_run(q, m, lo[g], scale[g], fbuf.data());
+        from_floats<DT>(fbuf.data(), m, out + first);
+      }
     }
   }
 }
 
 template <int DT, int B>
 struct Quantize {
-  static void run(const void* x, int64_t n, int64_t G, uint64_t key, uint8_t* out, float* lo,
+  static void run(const void* x, int64_t n, int64_t G, StreamKey key, uint8_t* out, float* lo,
                   float* scale, int threads) {
     quantize_impl<DT, B>(static_cast<const typename Elem<DT>::type*>(x), n, G, key, out, lo,
                          scale, threads);

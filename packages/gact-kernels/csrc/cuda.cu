@@ -125,7 +125,7 @@ __device__ __forceinline__ uint64_t load_codes(const uint8_t* src, int cnt) {
 template <int DT, int B>
 __global__ void __launch_bounds__(kThreads)
     quantize_kernel(const typename Elem<DT>::type* __restrict__ x, int64_t n, int64_t G,
-                    uint64_t key, uint8_t* __restrict__ out, float* __restrict__ lo,
+                    StreamKey key, uint8_t* __restrict__ out, float* __restrict__ lo,
                     float* __restrict__ scale) {
   const int lane = threadIdx.x & 31;
   const float levels = static_cast<float>((1 << B) - 1);
@@ -170,11 +170,14 @@ __global__ void __launch_bounds__(kThreads)
       if (coded) {
         float v[kChunk];
         load_chunk<DT>(x + e0, cnt, v);
+        // A chunk never straddles a multiple of 2^32 (e0 is a multiple of 8).
+        const uint32_t high = stream_high(key, static_cast<uint64_t>(e0));
 #pragma unroll
         for (int j = 0; j < kChunk; ++j) {
           if (j < cnt) {
-            const uint32_t q = quantize_one(v[j], p.lo, p.scale, levels,
-                                            uniform24(key, static_cast<uint64_t>(e0 + j)));
+            const uint32_t e_low = static_cast<uint32_t>(e0) + j;
+            const uint32_t q =
+                quantize_one(v[j], p.lo, p.scale, levels, uniform24(key, high, e_low));
             w |= static_cast<uint64_t>(q) << (j * B);
           }
         }
@@ -250,7 +253,7 @@ __global__ void __launch_bounds__(kThreads)
 
 template <int DT, int B>
 struct Quantize {
-  static void run(const void* x, int64_t n, int64_t G, uint64_t key, uint8_t* out, float* lo,
+  static void run(const void* x, int64_t n, int64_t G, StreamKey key, uint8_t* out, float* lo,
                   float* scale, cudaStream_t stream) {
     const int64_t groups = (n + G - 1) / G;
     quantize_kernel<DT, B><<<blocks_for(groups * 32), kThreads, 0, stream>>>(

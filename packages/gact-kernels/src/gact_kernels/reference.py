@@ -16,19 +16,14 @@ from .quantize import FLOAT_DTYPES, QuantizedTensor, element_index, lossless_gro
 __all__ = ["reference_dequantize", "reference_quantize", "uniform24"]
 
 _MASK64 = (1 << 64) - 1
+_MASK32 = (1 << 32) - 1
 _GAMMA = 0x9E3779B97F4A7C15
 _MIX1 = 0xBF58476D1CE4E5B9
 _MIX2 = 0x94D049BB133111EB
-
-
-def _signed(c: int) -> int:
-    """The int64 with the same bits as the uint64 ``c``."""
-    return c - (1 << 64) if c >= 1 << 63 else c
-
-
-def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of int64 tensors holding uint64 bits."""
-    return (z >> k) & ((1 << (64 - k)) - 1)
+_LOW_MUL = 0x9E3779B1
+_HIGH_MUL = 0x85EBCA77
+_FIN1 = 0x7FEB352D
+_FIN2 = 0x846CA68B
 
 
 def _mix64(z: int) -> int:
@@ -40,6 +35,8 @@ def _mix64(z: int) -> int:
 def uniform24(seed: int, index: torch.Tensor) -> torch.Tensor:
     """The rounding noise u in [0, 1) (float32, 24 random bits) for int64 element ``index``.
 
+    The uint32 arithmetic is done in int64 tensors and masked to 32 bits after each step.
+
     Example:
         >>> import torch
         >>> u = uniform24(0, torch.arange(4))
@@ -47,10 +44,15 @@ def uniform24(seed: int, index: torch.Tensor) -> torch.Tensor:
         True
     """
     key = _mix64((seed + _GAMMA) & _MASK64)
-    z = index * _signed(_GAMMA) + _signed(key)  # int64 arithmetic wraps modulo 2**64
-    z = (z ^ _shr(z, 30)) * _signed(_MIX1)
-    z = (z ^ _shr(z, 27)) * _signed(_MIX2)
-    return _shr(z, 40).to(torch.float32) * 2.0**-24
+    k0, k1 = key & _MASK32, key >> 32
+    high = ((index >> 32) * _HIGH_MUL + k1) & _MASK32
+    h = (((((index & _MASK32) * _LOW_MUL) & _MASK32) ^ high) + k0) & _MASK32
+    h = h ^ (h >> 16)
+    h = (h * _FIN1) & _MASK32
+    h = h ^ (h >> 15)
+    h = (h * _FIN2) & _MASK32
+    h = h ^ (h >> 16)
+    return (h >> 8).to(torch.float32) * 2.0**-24
 
 
 def _per_element(v: torch.Tensor, group_size: int, n: int) -> torch.Tensor:
@@ -96,15 +98,11 @@ def reference_quantize(
     for j in range(1, 8):
         word = word | (chunks[:, j] << (j * bits))
     shifts = torch.arange(0, 8 * bits, 8, device=x.device)
-    data = (_shr_bytes(word, shifts)).to(torch.uint8).flatten()[: (n * bits + 7) // 8]
+    data = ((word[:, None] >> shifts) & 0xFF).to(torch.uint8).flatten()[: (n * bits + 7) // 8]
     bad_groups, bad_values = lossless_groups(flat, scale, group_size)
     return QuantizedTensor(
         data, lo, scale, bad_groups, bad_values, bits, group_size, x.shape, x.dtype
     )
-
-
-def _shr_bytes(word: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
-    return (word[:, None] >> shifts) & 0xFF
 
 
 def reference_dequantize(q: QuantizedTensor) -> torch.Tensor:
