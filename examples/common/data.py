@@ -189,8 +189,9 @@ def load_planetoid(data: str | os.PathLike, name: str = "cora") -> dict[str, np.
     """Planetoid split of ``name``: dense float32 features, int64 labels, COO edges, masks.
 
     Standard split: train = first 140 labelled nodes (``len(y)``), val = the next 500, test =
-    the nodes listed in ``ind.<name>.test.index``. Test rows are stored in sorted order in
-    ``tx``/``ty`` and are put back at their listed positions (the usual reorder fix).
+    the nodes listed in ``ind.<name>.test.index``. Row k of ``tx``/``ty`` belongs to the k-th id in
+    that file (unsorted); stacked after ``allx`` they sit at the sorted positions and are moved to
+    their node ids (the usual reorder fix).
     """
     import scipy.sparse as sp
 
