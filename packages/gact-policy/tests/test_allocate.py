@@ -1,0 +1,168 @@
+"""Allocator: examples, edge cases and hypothesis properties (budget, optimality, monotonicity)."""
+
+import itertools
+
+import numpy as np
+import pytest
+from gact_policy import allocate_bits, predicted_variance, storage_bits
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 16)
+
+
+def brute_force(c, n, budget, choices, overhead, full_bits=32):
+    rep = [b if b < 16 else full_bits for b in choices]
+    best = None
+    for combo in itertools.product(rep, repeat=len(c)):
+        if storage_bits(n, combo, full_bits=full_bits, overhead_bits=overhead) <= budget:
+            val = predicted_variance(c, combo)
+            best = val if best is None else min(best, val)
+    return best
+
+
+sens = st.one_of(st.just(0.0), st.floats(1e-6, 1e6), st.sampled_from([1.0, 2.0]))
+instance = st.integers(1, 5).flatmap(
+    lambda k: st.tuples(
+        st.lists(sens, min_size=k, max_size=k),
+        st.lists(st.integers(0, 64), min_size=k, max_size=k),
+        st.lists(st.sampled_from(WIDTHS), min_size=1, max_size=5, unique=True),
+        st.sampled_from([0.0, 0.25, 0.5, 1.3]),
+        st.floats(0.0, 34.0),
+    )
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(instance, st.sampled_from(["exact", "greedy"]))
+def test_optimal_vs_brute_force_and_budget(inst, method) -> None:
+    c, n, choices, overhead, avg = inst
+    budget = np.floor(avg * sum(n) + 1e-6)
+    best = brute_force(c, n, budget, choices, overhead)
+    if best is None:
+        with pytest.raises(ValueError, match="minimum achievable average"):
+            allocate_bits(c, n, avg, choices=choices, overhead_bits=overhead, method=method)
+        return
+    bits = allocate_bits(c, n, avg, choices=choices, overhead_bits=overhead, method=method)
+    assert storage_bits(n, bits, overhead_bits=overhead) <= budget
+    allowed = {b if b < 16 else 32 for b in choices}
+    assert set(bits.tolist()) <= allowed
+    if method == "exact":
+        assert predicted_variance(c, bits) <= best * (1 + 1e-9) + 1e-300
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.floats(0.0, 1e3), min_size=2, max_size=40),
+    st.integers(1, 1000),
+    st.floats(2.0, 12.0),
+    st.sampled_from(["exact", "greedy"]),
+)
+def test_monotone_for_equal_sizes(c, size, avg, method) -> None:
+    bits = allocate_bits(c, [size] * len(c), avg, method=method, overhead_bits=0.25)
+    order = np.argsort(c, kind="stable")
+    cs, bs = np.asarray(c)[order], bits[order]
+    for i in range(len(c)):
+        for j in range(len(c)):
+            if cs[i] > cs[j]:
+                assert bs[i] >= bs[j]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.integers(1, 30),
+    st.integers(1, 500),
+    st.floats(1.0, 9.0),
+    st.sampled_from(["exact", "greedy"]),
+)
+def test_equal_items_get_uniform_bits(count, size, avg, method) -> None:
+    bits = allocate_bits([3.0] * count, [size] * count, avg, method=method)
+    assert np.all(np.diff(bits) <= 0)  # lower index never narrower
+    assert bits.max() - bits.min() <= 1
+    uniform = int(np.floor(avg + 1e-9))
+    assert bits.min() >= min(uniform, 8)
+
+
+def test_uniform_when_affordable_exactly() -> None:
+    for b in (2, 4, 8):
+        for method in ("exact", "greedy"):
+            bits = allocate_bits([1.0] * 7, [256] * 7, b + 0.25, overhead_bits=0.25, method=method)
+            assert bits.tolist() == [b] * 7
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.floats(0.0, 1e4), min_size=1, max_size=12),
+    st.data(),
+)
+def test_bounds_and_pins_respected(c, data) -> None:
+    k = len(c)
+    n = data.draw(st.lists(st.integers(1, 300), min_size=k, max_size=k))
+    lower = np.array(data.draw(st.lists(st.integers(1, 4), min_size=k, max_size=k)))
+    upper = lower + np.array(data.draw(st.lists(st.integers(0, 30), min_size=k, max_size=k)))
+    pinned = np.array(data.draw(st.lists(st.sampled_from([0, 0, 2, 32]), min_size=k, max_size=k)))
+    bits = allocate_bits(c, n, 40.0, lower=lower, upper=upper, pinned=pinned)
+    free = pinned == 0
+    assert np.all(bits[free] >= lower[free])
+    assert np.all(bits[free] <= upper[free])
+    assert np.array_equal(bits[~free], pinned[~free])
+
+
+def test_deterministic_and_ties() -> None:
+    rng = np.random.default_rng(1)
+    c = rng.choice([0.5, 1.0, 2.0], size=500)
+    n = rng.choice([256, 1024], size=500)
+    first = allocate_bits(c, n, 3.3, overhead_bits=0.25)
+    for _ in range(3):
+        assert np.array_equal(first, allocate_bits(c, n, 3.3, overhead_bits=0.25))
+
+
+def test_exact_beats_or_matches_greedy_large() -> None:
+    rng = np.random.default_rng(2)
+    c = rng.lognormal(sigma=2, size=2000)
+    n = rng.integers(1000, 10**6, size=2000)
+    exact = allocate_bits(c, n, 3.0, overhead_bits=0.25)
+    greedy = allocate_bits(c, n, 3.0, overhead_bits=0.25, method="greedy")
+    budget = np.floor(3.0 * n.sum())
+    for bits in (exact, greedy):
+        assert storage_bits(n, bits, overhead_bits=0.25) <= budget
+    assert predicted_variance(c, exact) <= predicted_variance(c, greedy) * (1 + 1e-12)
+
+
+def test_special_sensitivities() -> None:
+    c = [np.nan, np.inf, 1e300, 0.0, 1e-300]
+    bits = allocate_bits(c, [100] * 5, 5.0)
+    assert bits[0] >= bits[2] and bits[1] >= bits[2] and bits[2] >= bits[4] >= bits[3]
+    with pytest.raises(ValueError, match="non-negative"):
+        allocate_bits([1.0, -1.0], [10, 10], 4.0)
+
+
+def test_zero_sizes_and_full_precision_reporting() -> None:
+    bits = allocate_bits([1.0, 1.0, 0.0], [0, 10, 0], 4.0, full_bits=[16, 32, 32])
+    assert bits[0] == 16  # costs nothing: kept
+    assert allocate_bits([1.0], [10], 32.0).tolist() == [32]
+    assert allocate_bits([1.0], [10], 16.0, full_bits=16).tolist() == [16]
+    assert allocate_bits([], [], 4.0).size == 0
+
+
+def test_budget_bytes_and_overhead() -> None:
+    n = [256] * 4
+    bits = allocate_bits([1.0] * 4, n, None, budget_bytes=4 * 256 * 4.25 / 8, overhead_bits=0.25)
+    assert bits.tolist() == [4] * 4
+    # Without the overhead the same budget would buy more bits than are really stored.
+    assert allocate_bits([1.0] * 4, n, 4.25).tolist() == [5, 4, 4, 4]
+
+
+def test_errors() -> None:
+    with pytest.raises(ValueError, match="minimum achievable average"):
+        allocate_bits([1.0], [100], 0.5)
+    with pytest.raises(ValueError, match="exactly one"):
+        allocate_bits([1.0], [100], 4.0, budget_bytes=100)
+    with pytest.raises(ValueError, match="method"):
+        allocate_bits([1.0], [100], 4.0, method="lp")
+    with pytest.raises(ValueError, match="no allowed width"):
+        allocate_bits([1.0], [100], 4.0, lower=9, upper=12)
+    with pytest.raises(ValueError, match="full_bits"):
+        allocate_bits([1.0], [100], 4.0, full_bits=8)
+    with pytest.raises(ValueError, match="one entry per item"):
+        allocate_bits([1.0, 2.0], [100, 1, 3], 4.0)

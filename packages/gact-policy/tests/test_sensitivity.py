@@ -1,0 +1,92 @@
+"""Estimators recover closed-form sensitivities of synthetic linear models."""
+
+import numpy as np
+import pytest
+from gact_policy import (
+    SENSITIVITY_CAP,
+    LinearNoiseModel,
+    ProbeConfig,
+    min_pair_probes,
+    pairwise_sensitivity,
+    probe_sensitivity,
+)
+
+
+@pytest.fixture(scope="module")
+def model() -> LinearNoiseModel:
+    return LinearNoiseModel.random(n_items=15, dim=3000, seed=3, spread=1.0)
+
+
+def rel_err(est: np.ndarray, true: np.ndarray) -> float:
+    return float(np.median(np.abs(est / true - 1.0)))
+
+
+def test_probe_config_validation() -> None:
+    with pytest.raises(ValueError):
+        ProbeConfig(np.array([1, 2]), np.array([1], dtype=np.uint64))
+    with pytest.raises(ValueError):
+        ProbeConfig(np.array([0]), np.array([1], dtype=np.uint64))
+    with pytest.raises(ValueError):
+        ProbeConfig(np.array([2]), np.array([1], dtype=np.int32))
+    cfg = ProbeConfig(np.array([2, 3]), np.array([1, 2], dtype=np.uint64))
+    with pytest.raises(ValueError):
+        cfg.bits[0] = 5  # read-only
+    assert cfg.with_bits([0], [8]).bits.tolist() == [8, 3]
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_reference_recovers_c(model: LinearNoiseModel, bits: int) -> None:
+    est = probe_sensitivity(model, np.full(15, bits), seed=1)
+    # ||g0 - g_l||² / (2 S) has relative std about sqrt(2 / D_eff); D_eff >= ~1000 here.
+    assert rel_err(est, model.sensitivity) < 0.08
+    assert np.all(np.abs(est / model.sensitivity - 1) < 0.35)
+
+
+def test_robust_variant_is_consistent_and_conservative(model: LinearNoiseModel) -> None:
+    est = probe_sensitivity(model, np.full(15, 2), robust=True, seed=2)
+    ratio = est / model.sensitivity
+    assert 0.95 < np.median(ratio) < 1.2
+    assert np.all(ratio > 0.7)
+
+
+def test_pairwise_recovers_c_and_improves_with_probes(model: LinearNoiseModel) -> None:
+    true = model.sensitivity
+    kmin = min_pair_probes(15)
+    errs = []
+    for k in (kmin, 12, 30):
+        trials = [
+            rel_err(pairwise_sensitivity(model, np.full(15, 2), num_probes=k, seed=s), true)
+            for s in range(4)
+        ]
+        errs.append(float(np.mean(trials)))
+    assert errs[0] < 0.5
+    assert errs[-1] < 0.15
+    assert errs[-1] < errs[0]
+
+
+def test_pairwise_probe_count() -> None:
+    assert [min_pair_probes(n) for n in (0, 1, 3, 4, 150)] == [2, 2, 3, 4, 18]
+    calls = []
+
+    def grad(cfg: ProbeConfig) -> np.ndarray:
+        calls.append(cfg)
+        return np.zeros(4)
+
+    pairwise_sensitivity(grad, np.full(150, 2))
+    assert len(calls) == 1 + 18
+    with pytest.raises(ValueError, match="at least"):
+        pairwise_sensitivity(grad, np.full(150, 2), num_probes=5)
+
+
+def test_non_finite_gradients_are_capped() -> None:
+    def grad(cfg: ProbeConfig) -> np.ndarray:
+        return np.full(3, np.inf if cfg.seeds[0] % 2 else 0.0)
+
+    est = probe_sensitivity(grad, [2, 2])
+    assert np.all((est == SENSITIVITY_CAP) | (est == 0.0))
+    assert np.all(np.isfinite(pairwise_sensitivity(grad, [2, 2, 2])))
+
+
+def test_rejects_full_precision_probe_widths() -> None:
+    with pytest.raises(ValueError, match="quantised"):
+        probe_sensitivity(lambda cfg: np.zeros(2), [2, 32])
