@@ -26,6 +26,8 @@ PACKAGES = {
     "policy": ROOT / "packages" / "gact-policy",
     "runtime": ROOT / "packages" / "gact-runtime",
 }
+PACKAGE_IDS = ["kernels", "policy", "runtime", "examples"]
+BENCH_IDS = ["kernels", "policy", "examples"]
 CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
 DATA = Path(os.environ.get("GACT_DATA", ROOT.parent / "shared" / "data"))
 
@@ -71,7 +73,7 @@ def lint(session: nox.Session) -> None:
 
 
 @nox.session
-@nox.parametrize("package", ["kernels", "policy", "runtime", "examples"])
+@nox.parametrize("package", PACKAGE_IDS, ids=PACKAGE_IDS)
 def tests(session: nox.Session, package: str) -> None:
     """One package's test suite, installed on its own (policy runs without torch)."""
     if package == "policy":
@@ -110,21 +112,27 @@ def slow(session: nox.Session) -> None:
 @nox.session
 def demo(session: nox.Session) -> None:
     """The main job: fp32 against GACT levels on real data, with a PNG chart."""
-    _install_stack(session, "scikit-learn", "matplotlib", "tqdm", cuda=None if _has_gpu() else False)
+    _install_stack(
+        session, "scikit-learn", "matplotlib", "tqdm", cuda=None if _has_gpu() else False
+    )
     session.run("python", str(ROOT / "examples" / "demo.py"), *session.posargs)
 
 
 @nox.session
-@nox.parametrize("suite", ["kernels", "policy", "examples"])
+@nox.parametrize("suite", BENCH_IDS, ids=BENCH_IDS)
 def bench(session: nox.Session, suite: str) -> None:
     """Benchmarks: kernel throughput, allocator speed, and the examples over levels and seeds."""
     if suite == "policy":
         session.install(str(PACKAGES["policy"]))
-        session.run("python", str(PACKAGES["policy"] / "benchmarks" / "bench_policy.py"), *session.posargs)
+        session.run(
+            "python", str(PACKAGES["policy"] / "benchmarks" / "bench_policy.py"), *session.posargs
+        )
         return
     _install_stack(session, "scipy", "matplotlib", "tqdm", "pillow")
     if suite == "kernels":
-        session.run("python", str(PACKAGES["kernels"] / "benchmarks" / "bench_kernels.py"), *session.posargs)
+        session.run(
+            "python", str(PACKAGES["kernels"] / "benchmarks" / "bench_kernels.py"), *session.posargs
+        )
         return
     session.run(
         "python", str(ROOT / "examples" / "bench.py"), "--data", str(DATA), *session.posargs

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Callable
 
@@ -16,7 +17,9 @@ def grads_of(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
 
 
-def make_closure(model: nn.Module, x: torch.Tensor, y: torch.Tensor, rng_seed: int = 123) -> Callable[[], torch.Tensor]:
+def make_closure(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, rng_seed: int = 123
+) -> Callable[[], torch.Tensor]:
     """forward + cross-entropy + zero_grad + backward, with a fixed dropout stream."""
 
     def closure() -> torch.Tensor:
@@ -31,5 +34,11 @@ def make_closure(model: nn.Module, x: torch.Tensor, y: torch.Tensor, rng_seed: i
 
 
 @pytest.fixture(autouse=True)
-def _deterministic() -> None:
+def _isolated() -> Iterator[None]:
+    """Fixed RNG, and no test may leave saved-tensor hooks installed behind it."""
     torch.manual_seed(0)
+    yield
+    leaked = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    while torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+    assert leaked is None, "the test left saved-tensor hooks installed"

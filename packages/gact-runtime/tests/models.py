@@ -87,14 +87,26 @@ def make_case(name: str, seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     if name == "cnn":
-        return SmallCNN(), torch.randn(8, 1, 28, 28, generator=g), torch.randint(0, 10, (8,), generator=g)
+        return (
+            SmallCNN(),
+            torch.randn(8, 1, 28, 28, generator=g),
+            torch.randint(0, 10, (8,), generator=g),
+        )
     if name == "mlp":
         return MLP(), torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)
     if name == "transformer":
-        return TransformerBlock(), torch.randn(8, 16, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
+        return (
+            TransformerBlock(),
+            torch.randn(8, 16, 32, generator=g),
+            torch.randint(0, 10, (8,), generator=g),
+        )
     if name == "gcn":
         n = 64
-        return GraphConvNet(ring_adjacency(n)), torch.randn(n, 16, generator=g), torch.randint(0, 4, (n,), generator=g)
+        return (
+            GraphConvNet(ring_adjacency(n)),
+            torch.randn(n, 16, generator=g),
+            torch.randint(0, 4, (n,), generator=g),
+        )
     raise ValueError(name)
 
 

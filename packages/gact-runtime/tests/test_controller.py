@@ -123,7 +123,7 @@ def test_bad_constructor_arguments() -> None:
 
     with pytest.raises(ValueError, match="no parameters"):
         Controller(NoParams())
-    with pytest.raises(TypeError, match="torch.nn.Module"):
+    with pytest.raises(TypeError, match=r"torch\.nn\.Module"):
         Controller(lambda x: x)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="GactConfig"):
         Controller(MLP(), "L2")  # type: ignore[arg-type]
@@ -137,7 +137,7 @@ def test_closure_without_backward_is_an_error_and_controller_stays_usable() -> N
             model.zero_grad(set_to_none=True)
             F.cross_entropy(model(x), y)
 
-        with pytest.raises(ClosureError, match="loss.backward"):
+        with pytest.raises(ClosureError, match=r"loss\.backward"):
             controller.iterate(no_backward)
         controller.iterate(make_closure(model, x, y))
         assert controller.stats()["compressed_tensors"] > 0

@@ -17,8 +17,22 @@ DATA = Path(os.environ.get("GACT_DATA", ROOT.parent / "shared" / "data"))
 
 def _train(tmp_path: Path, *level: str) -> dict:
     out = tmp_path / f"{'-'.join(level) or 'fp32'}.json"
-    cmd = [sys.executable, str(SCRIPT), "--data", str(DATA), "--dataset", "mnist",
-           "--epochs", "1", "--seed", "0", "--no-progress", "--json", str(out), *level]
+    cmd = [
+        sys.executable,
+        str(SCRIPT),
+        "--data",
+        str(DATA),
+        "--dataset",
+        "mnist",
+        "--epochs",
+        "1",
+        "--seed",
+        "0",
+        "--no-progress",
+        "--json",
+        str(out),
+        *level,
+    ]
     subprocess.run(cmd, check=True, timeout=1800)
     return json.loads(out.read_text())
 

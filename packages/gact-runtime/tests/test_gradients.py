@@ -26,9 +26,9 @@ def test_eight_bits_is_close_to_fp32(case: str) -> None:
     reference = grads_of(model)
     errors = {}
     for level in ("L1.1", "L1.2"):
-        with Controller(model, GactConfig.from_level(level, min_numel=0)) as controller:
+        with Controller(model, GactConfig.from_level(level)) as controller:
             controller.iterate(closure)
-        assert controller.stats()["compressed_tensors"] > 0
+        assert controller.stats()["compressed_tensors"] >= 2
         errors[level] = _relative_error(grads_of(model), reference)
     assert errors["L1.1"] < 0.02, errors
     assert errors["L1.1"] < errors["L1.2"]  # fewer bits, more noise: the test can tell

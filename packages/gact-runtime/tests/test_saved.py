@@ -31,8 +31,8 @@ class Spy:
         monkeypatch.setattr(controller.hooks, "pack", spy)
 
 
-def _copies_a_parameter(t: torch.Tensor, params: list[nn.Parameter]) -> bool:
-    """Judged by value, independently of how the runtime recognises parameters."""
+def _copies_a_parameter(t: torch.Tensor, params: list[torch.Tensor]) -> bool:
+    """Judged by value, independently of how the runtime recognises parameters and buffers."""
     for p in params:
         for view in (p, p.t()) if p.dim() == 2 else (p,):
             if view.shape == t.shape and torch.equal(view.detach().to(t.dtype), t.detach()):
@@ -48,7 +48,7 @@ def test_parameters_are_never_compressed(
     model, x, y = make_case(case)
     controller = Controller(model, GactConfig.from_level("L1", min_numel=0))
     spy = Spy(controller, monkeypatch)
-    params = list(model.parameters())
+    params = [*model.parameters(), *(b for b in model.buffers() if b.layout is torch.strided)]
     with controller, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         controller.iterate(make_closure(model, x, y))
     n_param_saves = 0

@@ -129,7 +129,8 @@ class Adapter:
                 plan.probe = None
                 self._hooks.ledger = ledger
 
-        previous = np.array([plan.sensitivity.get(k, np.nan) for k in keys])
+        # keys seen for the first time start from their own estimate
+        previous = [plan.sensitivity.get(k, float(e)) for k, e in zip(keys, estimate)]
         sensitivity = gact_policy.smooth(previous, estimate, cfg.smoothing)
         assert cfg.avg_bits is not None
         bits = gact_policy.allocate_bits(
@@ -154,10 +155,11 @@ class Adapter:
 
     def _estimate(self, grad: Callable[[Any], np.ndarray], bits: np.ndarray) -> np.ndarray:
         cfg = self._plan.config
-        seed = mix_seed(cfg.seed, self._plan.step, 0x5E5)
-        if cfg.sensitivity_method == "per_item":
-            return gact_policy.estimate_sensitivity(grad, bits, seed=seed)
-        return gact_policy.estimate_sensitivity_subsets(grad, bits, probes=cfg.probes, seed=seed)
+        seed = mix_seed(cfg.seed, self._plan.step, 0x5E5) >> 1
+        if cfg.sensitivity_method == "probe":
+            return gact_policy.probe_sensitivity(grad, bits, seed=seed)
+        probes = max(cfg.probes or 0, gact_policy.min_pair_probes(bits.size))
+        return gact_policy.pairwise_sensitivity(grad, bits, num_probes=probes, seed=seed)
 
 
 def _quantizable(rec: SiteRecord) -> bool:
@@ -168,7 +170,9 @@ def _quantizable(rec: SiteRecord) -> bool:
 
 
 def _flat_grad(model: nn.Module) -> np.ndarray:
-    grads = [p.grad.detach().reshape(-1) for p in model.parameters() if p.grad is not None]
-    if not grads:
-        return np.zeros(0, dtype=np.float64)
-    return torch.cat([g.to("cpu", torch.float64) for g in grads]).numpy()
+    """All parameters' gradients as one float64 vector (zeros where a probe left none)."""
+    parts = [
+        (p.grad.detach() if p.grad is not None else torch.zeros_like(p)).to("cpu", torch.float64)
+        for p in model.parameters()
+    ]
+    return torch.cat([g.reshape(-1) for g in parts]).numpy()

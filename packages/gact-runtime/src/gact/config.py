@@ -52,7 +52,7 @@ LEVELS: dict[str, Level] = {
     "L3": Level(None, 4.0, True, "L2 plus swap of compressed tensors to pinned CPU memory"),
 }
 
-_SENSITIVITY_METHODS = ("subset", "per_item")
+_SENSITIVITY_METHODS = ("pairwise", "probe")
 _GROUP_SIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
@@ -65,10 +65,11 @@ class GactConfig:
         group_size: elements per quantization group (one fp32 ``lo`` and one fp32 ``scale`` each).
         min_numel: floating-point tensors with fewer elements are kept as they are.
         adapt_interval: re-estimate sensitivities every this many steps (adaptive levels).
-        sensitivity_method: ``"subset"`` (probes re-seed random subsets of tensors; cost does not
-            grow with the number of tensors) or ``"per_item"`` (the paper's Algorithm 1, one probe
-            per tensor).
-        probes: number of probes of the ``"subset"`` method.
+        sensitivity_method: ``"pairwise"`` (``gact_policy.pairwise_sensitivity``: about
+            ``sqrt(2L)`` probes for ``L`` tensors, each re-seeding a set of tensors) or ``"probe"``
+            (``gact_policy.probe_sensitivity``, the paper's Algorithm 1: ``L + 1`` probes).
+        probes: probes of the ``"pairwise"`` method; ``None`` (or fewer than needed) takes the
+            minimum, ``gact_policy.min_pair_probes(L)``. More probes, lower estimation error.
         smoothing: weight of the previous estimate in the exponential moving average of
             sensitivities, in ``[0, 1)``.
         seed: base seed of the stochastic rounding streams.
@@ -84,8 +85,8 @@ class GactConfig:
     group_size: int = 256
     min_numel: int = 1024
     adapt_interval: int = 1000
-    sensitivity_method: str = "subset"
-    probes: int = 16
+    sensitivity_method: str = "pairwise"
+    probes: int | None = None
     smoothing: float = 0.5
     seed: int = 0
 
@@ -105,8 +106,8 @@ class GactConfig:
                 f"sensitivity_method must be one of {_SENSITIVITY_METHODS}, "
                 f"got {self.sensitivity_method!r}"
             )
-        if not isinstance(self.probes, int) or self.probes < 2:
-            raise ConfigError(f"probes must be an int >= 2, got {self.probes!r}")
+        if self.probes is not None and (not isinstance(self.probes, int) or self.probes < 2):
+            raise ConfigError(f"probes must be None or an int >= 2, got {self.probes!r}")
         if not 0.0 <= self.smoothing < 1.0:
             raise ConfigError(f"smoothing must be in [0, 1), got {self.smoothing!r}")
         if not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:

@@ -151,7 +151,9 @@ class Controller:
         self.uninstall_hook()
 
     # ----------------------------------------------------------------- training
-    def iterate(self, closure: Callable[[], T], *, probe_closure: Callable[[], Any] | None = None) -> T:
+    def iterate(
+        self, closure: Callable[[], T], *, probe_closure: Callable[[], Any] | None = None
+    ) -> T:
         """Run one training step's forward and backward, adapting bits when due.
 
         Args:
@@ -181,7 +183,9 @@ class Controller:
         if not callable(closure):
             raise TypeError(f"closure must be callable, got {type(closure).__name__}")
         before = self.hooks.unpacked
-        grads = [(p.grad, None if p.grad is None else p.grad._version) for p in self.model.parameters()]
+        grads = [
+            (p.grad, None if p.grad is None else p.grad._version) for p in self.model.parameters()
+        ]
         result = closure()
         if self.hooks.unpacked == before and all(
             p.grad is g and (g is None or g._version == v)

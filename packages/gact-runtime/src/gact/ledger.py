@@ -110,9 +110,7 @@ class Ledger:
             "ratio": original / stored if stored else (math.inf if original else 1.0),
             "compressed_tensors": sum(r.count for r in compressed),
             "skipped_tensors": sum(r.count for r in activations if r.kind is Kind.KEPT),
-            "parameter_saves": sum(
-                r.count for r in records.values() if r.kind is Kind.PARAMETER
-            ),
+            "parameter_saves": sum(r.count for r in records.values() if r.kind is Kind.PARAMETER),
             "deduplicated_saves": dedup,
             "average_bits": quantized_bits / quantized_numel if quantized_numel else None,
             "sites": len(activations),
@@ -120,7 +118,17 @@ class Ledger:
 
     def table(self, sensitivity: dict[str, float]) -> str:
         records, _ = self.view()
-        header = ("key", "shape", "dtype", "kind", "bits", "sensitivity", "count", "bytes", "stored")
+        header = (
+            "key",
+            "shape",
+            "dtype",
+            "kind",
+            "bits",
+            "sensitivity",
+            "count",
+            "bytes",
+            "stored",
+        )
         rows = [header]
         for rec in records.values():
             sens = sensitivity.get(rec.key)

@@ -66,7 +66,7 @@ class ParameterFilter:
         self._storages = frozenset(
             ptr
             for t in itertools.chain(params, self._model.buffers())
-            if (ptr := t.untyped_storage().data_ptr()) != 0
+            if t.layout is torch.strided and (ptr := t.untyped_storage().data_ptr()) != 0
         )
 
     @property
@@ -76,7 +76,7 @@ class ParameterFilter:
     def __call__(self, tensor: torch.Tensor) -> bool:
         if isinstance(tensor, nn.Parameter) or id(tensor) in self._param_ids:
             return True
-        if tensor.untyped_storage().data_ptr() in self._storages:
+        if tensor.layout is torch.strided and tensor.untyped_storage().data_ptr() in self._storages:
             return True
         node = tensor.grad_fn
         for _ in range(_MAX_DEPTH):

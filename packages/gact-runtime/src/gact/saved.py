@@ -24,7 +24,7 @@ from .plan import BitPlan
 from .scope import ScopeTracker
 from .swap import Swapper
 
-__all__ = ["Saved", "SaveHooks"]
+__all__ = ["SaveHooks", "Saved"]
 
 _QUANTIZABLE = (torch.float32, torch.float16, torch.bfloat16)
 Payload = Union[gact_kernels.QuantizedTensor, gact_kernels.PackedMask]
@@ -63,12 +63,16 @@ class _LiveTable:
         ident = id(tensor)
         entries = self._entries
 
-        def forget(ref: weakref.ref) -> None:
+        def forget(ref: weakref.ref) -> None:  # either side died: the entry is useless
             current = entries.get(ident)
-            if current is not None and current[0] is ref:
+            if current is not None and ref in (current[0], current[2]):
                 del entries[ident]
 
-        entries[ident] = (weakref.ref(tensor, forget), tensor._version, weakref.ref(saved))
+        entries[ident] = (
+            weakref.ref(tensor, forget),
+            tensor._version,
+            weakref.ref(saved, forget),
+        )
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -111,7 +115,11 @@ class SaveHooks:
             return hit
         key = self.tracker.next_key(tensor)
         cfg = self.plan.config
-        if not cfg.spec.compresses or tensor.numel() < cfg.min_numel:
+        if (
+            not cfg.spec.compresses
+            or tensor.numel() < cfg.min_numel
+            or tensor.layout is not torch.strided
+        ):
             return self._keep(key, tensor, None)
         with torch.no_grad():
             if tensor.dtype is torch.bool:

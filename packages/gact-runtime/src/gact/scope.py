@@ -73,9 +73,7 @@ class ScopeTracker:
         for name, module in self._model.named_modules():
             label = name or "<root>"
             self._handles.append(module.register_forward_pre_hook(self._make_enter(label)))
-            self._handles.append(
-                module.register_forward_hook(self._make_exit(), always_call=True)
-            )
+            self._handles.append(module.register_forward_hook(self._make_exit(), always_call=True))
 
     def detach(self) -> None:
         """Remove the hooks; the tracker can be attached again later."""
