@@ -73,11 +73,11 @@ GACT_SIMD GroupParams params_of(const float* __restrict xs, int64_t m, float lev
 }
 
 // Codes of m elements whose indices have constant high 32 bits.
-GACT_SIMD void codes_run(const float* __restrict xs, uint32_t m, GroupParams p, float levels,
+GACT_SIMD void codes_run(const float* __restrict xs, int64_t m, GroupParams p, float levels,
                          StreamKey key, uint32_t high, uint32_t e_low, uint8_t* __restrict q) {
-  for (uint32_t j = 0; j < m; ++j) {
-    q[j] = static_cast<uint8_t>(
-        quantize_one(xs[j], p.lo, p.scale, levels, uniform24(key, high, e_low + j)));
+  for (int64_t j = 0; j < m; ++j) {
+    const uint32_t e = e_low + static_cast<uint32_t>(j);
+    q[j] = static_cast<uint8_t>(quantize_one(xs[j], p.lo, p.scale, levels, uniform24(key, high, e)));
   }
 }
 
@@ -85,7 +85,7 @@ void codes_of(const float* xs, int64_t m, GroupParams p, float levels, StreamKey
               uint64_t first, uint8_t* q) {
   while (m > 0) {  // one run unless the group straddles a multiple of 2^32
     const int64_t run = std::min<int64_t>(m, (int64_t{1} << 32) - (first & 0xFFFFFFFFu));
-    codes_run(xs, static_cast<uint32_t>(run), p, levels, key, stream_high(key, first),
+    codes_run(xs, run, p, levels, key, stream_high(key, first),
               static_cast<uint32_t>(first), q);
     xs += run, q += run, first += run, m -= run;
   }
@@ -102,13 +102,17 @@ GACT_SIMD void pack_codes(const uint8_t* __restrict q, int64_t m, uint8_t* __res
       for (int k = 0; k < per; ++k) byte |= static_cast<uint32_t>(q[i * per + k]) << (k * B);
       dst[i] = static_cast<uint8_t>(byte);
     }
-  } else {
+  } else {  // B in {3, 5, 6, 7}: 8 codes (one uint64) -> B bytes
     const int64_t chunks = (m + kChunk - 1) / kChunk;
     for (int64_t c = 0; c < chunks; ++c) {
-      uint64_t w = 0;
-      for (int j = 0; j < kChunk; ++j) w |= static_cast<uint64_t>(q[c * kChunk + j]) << (j * B);
-      const int64_t left = m - c * kChunk;
-      std::memcpy(dst + c * B, &w, left >= kChunk ? B : (left * B + 7) / 8);
+      uint64_t codes, w = 0;
+      std::memcpy(&codes, q + c * kChunk, kChunk);
+      for (int k = 0; k < kChunk; ++k) w |= ((codes >> (8 * k)) & ((1u << B) - 1)) << (k * B);
+      if (c + 1 < chunks) {
+        std::memcpy(dst + c * B, &w, B);
+      } else {
+        std::memcpy(dst + c * B, &w, ((m - c * kChunk) * B + 7) / 8);
+      }
     }
   }
 }
@@ -116,20 +120,24 @@ GACT_SIMD void pack_codes(const uint8_t* __restrict q, int64_t m, uint8_t* __res
 // Unpacks ceil(m/8)*8 codes (q must have room for them).
 template <int B>
 GACT_SIMD void unpack_codes(const uint8_t* __restrict src, int64_t m, uint8_t* __restrict q) {
-  constexpr uint32_t mask = (1u << B) - 1;
+  constexpr uint64_t mask = (1u << B) - 1;
   if constexpr (8 % B == 0) {
     constexpr int per = 8 / B;
     const int64_t bytes = (m * B + 7) / 8;
     for (int64_t i = 0; i < bytes; ++i) {
       for (int k = 0; k < per; ++k) q[i * per + k] = static_cast<uint8_t>((src[i] >> (k * B)) & mask);
     }
-  } else {
+  } else {  // B bytes -> 8 codes (one uint64)
     const int64_t chunks = (m + kChunk - 1) / kChunk;
     for (int64_t c = 0; c < chunks; ++c) {
-      uint64_t w = 0;
-      const int64_t left = m - c * kChunk;
-      std::memcpy(&w, src + c * B, left >= kChunk ? B : (left * B + 7) / 8);
-      for (int j = 0; j < kChunk; ++j) q[c * kChunk + j] = static_cast<uint8_t>((w >> (j * B)) & mask);
+      uint64_t w = 0, codes = 0;
+      if (c + 1 < chunks) {
+        std::memcpy(&w, src + c * B, B);
+      } else {
+        std::memcpy(&w, src + c * B, ((m - c * kChunk) * B + 7) / 8);
+      }
+      for (int k = 0; k < kChunk; ++k) codes |= ((w >> (k * B)) & mask) << (8 * k);
+      std::memcpy(q + c * kChunk, &codes, kChunk);
     }
   }
 }

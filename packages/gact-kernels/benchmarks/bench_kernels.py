@@ -1,0 +1,150 @@
+"""Throughput of gact_kernels.quantize/dequantize beside ``x.clone()`` and the torch reference.
+
+For each available device, input dtype (fp32, bf16; 64 MiB by default) and width (1, 2, 4, 8
+bits) it times, as the median of several repeats: ``x.clone()``, ``quantize``, ``dequantize``
+and the pure-torch reference of both. GB/s counts the bytes each operation moves (reads plus
+writes): copy 2*N*s; quantize N*s + packed + 8 bytes/group; dequantize the reverse.
+
+Targets (reported, not asserted): CPU round trip <= 3x the copy time and >= 10x faster than
+the reference; CUDA quantize and dequantize >= 70% of the copy bandwidth.
+
+Usage:
+    python packages/gact-kernels/benchmarks/bench_kernels.py [--json results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Callable
+
+import gact_kernels
+import torch
+from gact_kernels.reference import reference_dequantize, reference_quantize
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median wall time of ``fn`` over ``repeats`` runs after one warm-up run."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bench_one(
+    x: torch.Tensor, bits: int, repeats: int, ref_repeats: int, copy_s: float
+) -> dict[str, object]:
+    n, size = x.numel(), x.numel() * x.element_size()
+    q = gact_kernels.quantize(x, bits, seed=1)
+    compressed = q.nbytes
+    quant_s = median_seconds(lambda: gact_kernels.quantize(x, bits, seed=1), x.device, repeats)
+    dequant_s = median_seconds(lambda: gact_kernels.dequantize(q), x.device, repeats)
+    ref_q = reference_quantize(x, bits, seed=1)
+    ref_quant_s = median_seconds(lambda: reference_quantize(x, bits, seed=1), x.device, ref_repeats)
+    ref_dequant_s = median_seconds(lambda: reference_dequantize(ref_q), x.device, ref_repeats)
+    moved = size + compressed
+    return {
+        "device": x.device.type,
+        "dtype": str(x.dtype).replace("torch.", ""),
+        "bits": bits,
+        "numel": n,
+        "copy_ms": copy_s * 1e3,
+        "quantize_ms": quant_s * 1e3,
+        "dequantize_ms": dequant_s * 1e3,
+        "ref_quantize_ms": ref_quant_s * 1e3,
+        "ref_dequantize_ms": ref_dequant_s * 1e3,
+        "copy_GBps": 2 * size / copy_s / 1e9,
+        "quantize_GBps": moved / quant_s / 1e9,
+        "dequantize_GBps": moved / dequant_s / 1e9,
+        "round_trip_over_copy": (quant_s + dequant_s) / copy_s,
+        "speedup_over_reference": (ref_quant_s + ref_dequant_s) / (quant_s + dequant_s),
+        "bandwidth_fraction": min(moved / quant_s, moved / dequant_s) / (2 * size / copy_s),
+    }
+
+
+def run(args: argparse.Namespace) -> list[dict[str, object]]:
+    devices = [torch.device("cpu")]
+    if torch.cuda.is_available() and gact_kernels.compiled_with_cuda():
+        devices.append(torch.device("cuda"))
+    rows = []
+    for device in devices:
+        for name in args.dtypes:
+            dtype = DTYPES[name]
+            numel = args.size_mib * 2**20 // torch.empty((), dtype=dtype).element_size()
+            x = torch.randn(numel, device=device).to(dtype)
+            copy_s = median_seconds(x.clone, device, args.repeats)
+            for bits in args.bits:
+                rows.append(bench_one(x, bits, args.repeats, args.ref_repeats, copy_s))
+                print_row(rows[-1])
+            del x
+    return rows
+
+
+HEADER = (
+    f"{'device':6} {'dtype':8} {'bits':>4} {'copy ms':>8} {'quant ms':>9} {'deq ms':>8} "
+    f"{'ref q ms':>9} {'ref dq ms':>9} {'copy GB/s':>9} {'q GB/s':>7} {'dq GB/s':>7} "
+    f"{'rt/copy':>7} {'vs ref':>7}"
+)
+
+
+def print_row(r: dict[str, object]) -> None:
+    print(
+        f"{r['device']:6} {r['dtype']:8} {r['bits']:>4} {r['copy_ms']:8.2f} "
+        f"{r['quantize_ms']:9.2f} {r['dequantize_ms']:8.2f} {r['ref_quantize_ms']:9.1f} "
+        f"{r['ref_dequantize_ms']:9.1f} {r['copy_GBps']:9.2f} {r['quantize_GBps']:7.2f} "
+        f"{r['dequantize_GBps']:7.2f} {r['round_trip_over_copy']:7.2f} "
+        f"{r['speedup_over_reference']:6.1f}x",
+        flush=True,
+    )
+
+
+def summarise(rows: list[dict[str, object]]) -> None:
+    for device in sorted({r["device"] for r in rows}):
+        mine = [r for r in rows if r["device"] == device]
+        if device == "cpu":
+            worst_rt = max(r["round_trip_over_copy"] for r in mine)
+            worst_ref = min(r["speedup_over_reference"] for r in mine)
+            print(
+                f"cpu targets: round trip <= 3x copy (worst {worst_rt:.2f}x: "
+                f"{'met' if worst_rt <= 3 else 'NOT met'}); >= 10x faster than the reference "
+                f"(worst {worst_ref:.1f}x: {'met' if worst_ref >= 10 else 'NOT met'})"
+            )
+        else:
+            worst = min(r["bandwidth_fraction"] for r in mine)
+            print(
+                f"{device} target: >= 70% of copy bandwidth (worst {100 * worst:.0f}%: "
+                f"{'met' if worst >= 0.7 else 'NOT met'})"
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    parser.add_argument("--size-mib", type=int, default=64, help="input size (default 64)")
+    parser.add_argument("--bits", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=list(DTYPES))
+    parser.add_argument("--repeats", type=int, default=9, help="timed runs per kernel")
+    parser.add_argument("--ref-repeats", type=int, default=3, help="timed runs of the reference")
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads")
+    print(HEADER)
+    rows = run(args)
+    summarise(rows)
+    if args.json:
+        meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), **vars(args)}
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
