@@ -27,7 +27,7 @@ PACKAGES = {
     "runtime": ROOT / "packages" / "gact-runtime",
 }
 PACKAGE_IDS = ["kernels", "policy", "runtime", "examples"]
-BENCH_IDS = ["kernels", "policy", "examples"]
+BENCH_IDS = ["kernels", "policy", "runtime", "examples"]
 CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
 DATA = Path(os.environ.get("GACT_DATA", ROOT.parent / "shared" / "data"))
 
@@ -121,7 +121,7 @@ def demo(session: nox.Session) -> None:
 @nox.session
 @nox.parametrize("suite", BENCH_IDS, ids=BENCH_IDS)
 def bench(session: nox.Session, suite: str) -> None:
-    """Benchmarks: kernel throughput, allocator speed, and the examples over levels and seeds."""
+    """Benchmarks: kernels, allocator, runtime overhead, and the examples over levels and seeds."""
     if suite == "policy":
         session.install(str(PACKAGES["policy"]))
         session.run(
