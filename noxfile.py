@@ -129,10 +129,9 @@ def bench(session: nox.Session, suite: str) -> None:
         )
         return
     _install_stack(session, "scipy", "matplotlib", "tqdm", "pillow")
-    if suite == "kernels":
-        session.run(
-            "python", str(PACKAGES["kernels"] / "benchmarks" / "bench_kernels.py"), *session.posargs
-        )
+    if suite in ("kernels", "runtime"):
+        script = {"kernels": "bench_kernels.py", "runtime": "bench_adapt.py"}[suite]
+        session.run("python", str(PACKAGES[suite] / "benchmarks" / script), *session.posargs)
         return
     session.run(
         "python", str(ROOT / "examples" / "bench.py"), "--data", str(DATA), *session.posargs
