@@ -27,32 +27,53 @@ from gact_kernels.reference import reference_dequantize, reference_quantize
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Median wall time of ``fn`` over ``repeats`` runs after one warm-up run."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+def _timed(fn: Callable[[], object], sync: Callable[[], None]) -> float:
+    start = time.perf_counter()
     fn()
     sync()
-    times = []
+    return time.perf_counter() - start
+
+
+def median_seconds(
+    fns: dict[str, Callable[[], object]], device: torch.device, repeats: int
+) -> dict[str, float]:
+    """Median wall time of each function after a warm-up run.
+
+    The functions are timed in interleaved rounds, so that a machine whose load changes during
+    the run (shared CI runners) skews all of them alike.
+    """
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        _timed(fn, sync)
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            times[name].append(_timed(fn, sync))
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def bench_one(
-    x: torch.Tensor, bits: int, repeats: int, ref_repeats: int, copy_s: float
-) -> dict[str, object]:
+def bench_one(x: torch.Tensor, bits: int, repeats: int, ref_repeats: int) -> dict[str, object]:
     n, size = x.numel(), x.numel() * x.element_size()
     q = gact_kernels.quantize(x, bits, seed=1)
-    compressed = q.nbytes
-    quant_s = median_seconds(lambda: gact_kernels.quantize(x, bits, seed=1), x.device, repeats)
-    dequant_s = median_seconds(lambda: gact_kernels.dequantize(q), x.device, repeats)
-    ref_q = reference_quantize(x, bits, seed=1)
-    ref_quant_s = median_seconds(lambda: reference_quantize(x, bits, seed=1), x.device, ref_repeats)
-    ref_dequant_s = median_seconds(lambda: reference_dequantize(ref_q), x.device, ref_repeats)
-    moved = size + compressed
+    ours = median_seconds(
+        {
+            "copy": x.clone,
+            "quantize": lambda: gact_kernels.quantize(x, bits, seed=1),
+            "dequantize": lambda: gact_kernels.dequantize(q),
+        },
+        x.device,
+        repeats,
+    )
+    ref = median_seconds(
+        {
+            "quantize": lambda: reference_quantize(x, bits, seed=1),
+            "dequantize": lambda: reference_dequantize(q),
+        },
+        x.device,
+        ref_repeats,
+    )
+    copy_s, quant_s, dequant_s = ours["copy"], ours["quantize"], ours["dequantize"]
+    moved = size + q.nbytes
     return {
         "device": x.device.type,
         "dtype": str(x.dtype).replace("torch.", ""),
@@ -61,13 +82,13 @@ def bench_one(
         "copy_ms": copy_s * 1e3,
         "quantize_ms": quant_s * 1e3,
         "dequantize_ms": dequant_s * 1e3,
-        "ref_quantize_ms": ref_quant_s * 1e3,
-        "ref_dequantize_ms": ref_dequant_s * 1e3,
+        "ref_quantize_ms": ref["quantize"] * 1e3,
+        "ref_dequantize_ms": ref["dequantize"] * 1e3,
         "copy_GBps": 2 * size / copy_s / 1e9,
         "quantize_GBps": moved / quant_s / 1e9,
         "dequantize_GBps": moved / dequant_s / 1e9,
         "round_trip_over_copy": (quant_s + dequant_s) / copy_s,
-        "speedup_over_reference": (ref_quant_s + ref_dequant_s) / (quant_s + dequant_s),
+        "speedup_over_reference": (ref["quantize"] + ref["dequantize"]) / (quant_s + dequant_s),
         "bandwidth_fraction": min(moved / quant_s, moved / dequant_s) / (2 * size / copy_s),
     }
 
@@ -82,9 +103,8 @@ def run(args: argparse.Namespace) -> list[dict[str, object]]:
             dtype = DTYPES[name]
             numel = args.size_mib * 2**20 // torch.empty((), dtype=dtype).element_size()
             x = torch.randn(numel, device=device).to(dtype)
-            copy_s = median_seconds(x.clone, device, args.repeats)
             for bits in args.bits:
-                rows.append(bench_one(x, bits, args.repeats, args.ref_repeats, copy_s))
+                rows.append(bench_one(x, bits, args.repeats, args.ref_repeats))
                 print_row(rows[-1])
             del x
     return rows
@@ -135,7 +155,10 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=list(DTYPES))
     parser.add_argument("--repeats", type=int, default=9, help="timed runs per kernel")
     parser.add_argument("--ref-repeats", type=int, default=3, help="timed runs of the reference")
+    parser.add_argument("--threads", type=int, help="CPU threads (default: torch's default)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads")
     print(HEADER)
     rows = run(args)

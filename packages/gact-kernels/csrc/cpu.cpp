@@ -17,10 +17,11 @@ namespace {
 
 constexpr int64_t kSerialBelow = 1 << 15;  // elements; smaller inputs run on one thread
 
-// Hot loops get an AVX2 clone picked at load time (ifunc); the default clone is baseline x86-64,
-// so a wheel built here runs on any x86-64 CPU. Both clones do the same IEEE operations.
+// Hot loops get AVX-512 and AVX2 clones picked at load time (ifunc); the default clone is
+// baseline x86-64, so a wheel built here runs on any x86-64 CPU. All clones do the same IEEE
+// operations (-ffp-contract=off forbids FMA contraction).
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define GACT_SIMD __attribute__((target_clones("avx2", "default")))
+#define GACT_SIMD __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 #else
 #define GACT_SIMD
 #endif
@@ -42,34 +43,22 @@ GACT_SIMD void from_floats(const float* __restrict v, int64_t m,
   for (int64_t j = 0; j < m; ++j) out[j] = Elem<DT>::store(v[j]);
 }
 
+// Min and max via integer keys (a signed-int order equal to the float order for non-NaN
+// values), which vectorise without fast-math; NaN/Inf only set `bad`, as on the device.
+GACT_HD int32_t order_key(int32_t bits) { return bits ^ ((bits >> 31) & 0x7FFFFFFF); }
+
 GACT_SIMD GroupParams params_of(const float* __restrict xs, int64_t m, float levels) {
-  float mn[kChunk], mx[kChunk];
-  uint32_t bad[kChunk];
-  for (int k = 0; k < kChunk; ++k) {
-    mn[k] = xs[0];
-    mx[k] = xs[0];
-    bad[k] = 0;
+  int32_t lo = INT32_MAX, hi = INT32_MIN;
+  uint32_t bad = 0;
+  for (int64_t j = 0; j < m; ++j) {
+    int32_t bits;
+    std::memcpy(&bits, xs + j, 4);
+    const int32_t key = order_key(bits);
+    lo = key < lo ? key : lo;
+    hi = key > hi ? key : hi;
+    bad |= (bits & 0x7F800000) == 0x7F800000;
   }
-  int64_t j = 0;
-  for (; j + kChunk <= m; j += kChunk) {
-    for (int k = 0; k < kChunk; ++k) {
-      const float v = xs[j + k];
-      mn[k] = f_min(v, mn[k]);
-      mx[k] = f_max(v, mx[k]);
-      bad[k] |= is_nonfinite(v);
-    }
-  }
-  for (; j < m; ++j) {
-    mn[0] = f_min(xs[j], mn[0]);
-    mx[0] = f_max(xs[j], mx[0]);
-    bad[0] |= is_nonfinite(xs[j]);
-  }
-  for (int k = 1; k < kChunk; ++k) {
-    mn[0] = f_min(mn[k], mn[0]);
-    mx[0] = f_max(mx[k], mx[0]);
-    bad[0] |= bad[k];
-  }
-  return group_params(mn[0], mx[0], bad[0], levels);
+  return group_params(f_from_bits(order_key(lo)), f_from_bits(order_key(hi)), bad, levels);
 }
 
 // Codes of m elements whose indices have constant high 32 bits.

@@ -176,6 +176,23 @@ def test_nonfinite_groups_lossless(bits: int, dtype: torch.dtype) -> None:
     assert_same(q, reference_quantize(x, bits, seed=4))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_signed_zeros_and_extremes_match_reference(dtype: torch.dtype) -> None:
+    fmax = torch.finfo(dtype).max
+    groups = [
+        [-0.0, 0.0, 1.0, 2.0, -0.0, 0.5, 0.0, 3.0],  # min is a zero of either sign
+        [-1.0, -0.0, -2.0, -0.0, -3.0, -0.5, -1.5, -0.0],  # max is -0
+        [-0.0] * 8,  # constant
+        [fmax, -fmax, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0],  # range overflows for float32
+        [1e-38, 2e-38, 0.0, 3e-38, 5e-39, 1e-39, 0.0, 4e-38],  # subnormal steps
+    ]
+    x = torch.tensor(groups).to(dtype).flatten()
+    for bits in (1, 4, 8):
+        q = gact_kernels.quantize(x, bits, group_size=8, seed=3)
+        assert_same(q, reference_quantize(x, bits, group_size=8, seed=3))
+        assert_within_one_step(x, q)
+
+
 def test_overflowing_range_is_lossless() -> None:
     x = torch.tensor([-3e38, 3e38] * 8)
     q = gact_kernels.quantize(x, 4, group_size=8)
