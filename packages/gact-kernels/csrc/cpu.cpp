@@ -110,23 +110,25 @@ GACT_SIMD void pack_codes(const uint8_t* __restrict q, int64_t m, uint8_t* __res
 template <int B>
 GACT_SIMD void unpack_codes(const uint8_t* __restrict src, int64_t m, uint8_t* __restrict q) {
   constexpr uint64_t mask = (1u << B) - 1;
-  if constexpr (8 % B == 0) {
-    constexpr int per = 8 / B;
-    const int64_t bytes = (m * B + 7) / 8;
+  if constexpr (B == 4) {  // one byte -> two codes vectorises best
+    const int64_t bytes = (m + 1) / 2;
     for (int64_t i = 0; i < bytes; ++i) {
-      for (int k = 0; k < per; ++k) q[i * per + k] = static_cast<uint8_t>((src[i] >> (k * B)) & mask);
+      q[2 * i] = src[i] & 0xF;
+      q[2 * i + 1] = src[i] >> 4;
     }
   } else {  // B bytes -> 8 codes (one uint64)
-    const int64_t chunks = (m + kChunk - 1) / kChunk;
-    for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t full = m / kChunk;
+    for (int64_t c = 0; c < full; ++c) {
       uint64_t w = 0, codes = 0;
-      if (c + 1 < chunks) {
-        std::memcpy(&w, src + c * B, B);
-      } else {
-        std::memcpy(&w, src + c * B, ((m - c * kChunk) * B + 7) / 8);
-      }
+      std::memcpy(&w, src + c * B, B);
       for (int k = 0; k < kChunk; ++k) codes |= ((w >> (k * B)) & mask) << (8 * k);
       std::memcpy(q + c * kChunk, &codes, kChunk);
+    }
+    if (const int64_t rest = m - full * kChunk) {
+      uint64_t w = 0, codes = 0;
+      std::memcpy(&w, src + full * B, (rest * B + 7) / 8);
+      for (int k = 0; k < kChunk; ++k) codes |= ((w >> (k * B)) & mask) << (8 * k);
+      std::memcpy(q + full * kChunk, &codes, kChunk);
     }
   }
 }
