@@ -16,6 +16,10 @@ namespace gact {
 namespace {
 
 constexpr int64_t kSerialBelow = 1 << 15;  // elements; smaller inputs run on one thread
+// Groups are handed out dynamically in blocks, so a thread that loses its core to another
+// process does not hold up the others. Every group is independent, so the bytes do not depend
+// on which thread does it.
+constexpr int kGroupsPerTask = 64;
 
 // Hot loops get AVX-512 and AVX2 clones picked at load time (ifunc); the default clone is
 // baseline x86-64, so a wheel built here runs on any x86-64 CPU. All clones do the same IEEE
@@ -45,7 +49,7 @@ GACT_SIMD void from_floats(const float* __restrict v, int64_t m,
 
 // Min and max via integer keys (a signed-int order equal to the float order for non-NaN
 // values), which vectorise without fast-math; NaN/Inf only set `bad`, as on the device.
-GACT_HD int32_t order_key(int32_t bits) { return bits ^ ((bits >> 31) & 0x7FFFFFFF); }
+inline int32_t order_key(int32_t bits) { return bits ^ ((bits >> 31) & 0x7FFFFFFF); }
 
 GACT_SIMD GroupParams params_of(const float* __restrict xs, int64_t m, float levels) {
   int32_t lo = INT32_MAX, hi = INT32_MIN;
@@ -56,7 +60,7 @@ GACT_SIMD GroupParams params_of(const float* __restrict xs, int64_t m, float lev
     const int32_t key = order_key(bits);
     lo = key < lo ? key : lo;
     hi = key > hi ? key : hi;
-    bad |= (bits & 0x7F800000) == 0x7F800000;
+    bad |= is_nonfinite(xs[j]);
   }
   return group_params(f_from_bits(order_key(lo)), f_from_bits(order_key(hi)), bad, levels);
 }
@@ -147,14 +151,15 @@ void quantize_impl(const typename Elem<DT>::type* x, int64_t n, int64_t G, Strea
   {
     std::vector<float> fbuf(DT == kFloat32 ? 0 : G);
     std::vector<uint8_t> qbuf(B == 8 ? 0 : G + kChunk, 0);
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, kGroupsPerTask)
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t first = g * G;
       const int64_t m = std::min(G, n - first);
-      const float* xs = reinterpret_cast<const float*>(x + first);
-      if constexpr (DT != kFloat32) {
+      const float* xs = fbuf.data();
+      if constexpr (DT == kFloat32) {
+        xs = x + first;
+      } else {
         to_floats<DT>(x + first, m, fbuf.data());
-        xs = fbuf.data();
       }
       const GroupParams p = params_of(xs, m, levels);
       lo[g] = p.lo;
@@ -183,7 +188,7 @@ void dequantize_impl(const uint8_t* data, const float* lo, const float* scale, i
   {
     std::vector<uint8_t> qbuf(B == 8 ? 0 : G + kChunk);
     std::vector<float> fbuf(DT == kFloat32 ? 0 : G);
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, kGroupsPerTask)
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t first = g * G;
       const int64_t m = std::min(G, n - first);
