@@ -123,7 +123,10 @@ def parse_args(argv=None):
 
 
 def run_args(ex: Example, args, level: str, seed: int, json_path: Path, kind: str) -> list[str]:
-    base = {"train": ex.quick if args.quick else ex.train, "mem": [*ex.mem, "--get-mem"]}[kind]
+    if kind == "mem":
+        base = [*(ex.mem or []), "--get-mem"]
+    else:
+        base = ex.quick if args.quick else ex.train
     a = ["--data", str(args.data), *base, "--seed", str(seed), "--gact", "--level", level]
     if args.device:
         a += ["--device", args.device]

@@ -28,14 +28,14 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", default=None, help="use MNIST from this directory instead of digits")
     p.add_argument("--levels", default="L0,L1,L2,L2.2", help="comma-separated; L0 = fp32")
-    p.add_argument("--epochs", type=int, default=None, help="default: 8 (digits), 1 (MNIST)")
+    p.add_argument("--epochs", type=int, default=None, help="default: 5 (digits), 1 (MNIST)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--train-subset", type=int, default=6000, help="MNIST training images")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--mem-batch",
         type=int,
-        default=1024,
+        default=512,
         help="batch size of the extra 3-step memory run per level (0: skip it)",
     )
     p.add_argument("--device", default=None)
@@ -62,7 +62,7 @@ def level_args(args, level: str, json_path: Path) -> list[str]:
             str(args.epochs or 1),
         ]
     else:  # digits upsampled to 16x16 so the convolutions have something to chew on
-        a = ["--dataset", "digits", "--image-size", "16", "--epochs", str(args.epochs or 8)]
+        a = ["--dataset", "digits", "--image-size", "16", "--epochs", str(args.epochs or 5)]
     a += ["--batch-size", str(args.batch_size), "--seed", str(args.seed), "--width", "16"]
     a += ["--gact", "--level", level, "--json", str(json_path), "--no-progress"]
     if args.device:
@@ -143,7 +143,10 @@ def main(argv=None) -> list[dict]:
         "saved act./step: bytes autograd keeps for backward in one training step, counted by\n"
         "GACT's hooks (fp32 = level L0: stored unchanged). peak +RSS: process peak resident\n"
         f"memory over the pre-training baseline during a 3-step run at {mem_note} (CUDA:\n"
-        "max_memory_allocated). Step times on a busy CPU are noisy."
+        "max_memory_allocated). ratio: a level's own fp32 bytes / what it stored. The fp32 row\n"
+        "counts a tensor saved by two operators twice (GACT's L0 hooks do not deduplicate), so it\n"
+        "is larger than the fp32 bytes the compressing levels start from. Step times on a busy\n"
+        "CPU are noisy."
     )
     return records
 
