@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 from gact_policy import allocate_bits, predicted_variance, storage_bits
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 16)
@@ -75,10 +75,12 @@ def test_monotone_for_equal_sizes(c, size, avg, method) -> None:
     st.floats(1.0, 9.0),
     st.sampled_from(["exact", "greedy"]),
 )
+@example(24, 1, 9.0, "exact")  # 23 items at 8 bits and one kept at 32: one hull step
 def test_equal_items_get_uniform_bits(count, size, avg, method) -> None:
     bits = allocate_bits([3.0] * count, [size] * count, avg, method=method)
     assert np.all(np.diff(bits) <= 0)  # lower index never narrower
-    assert bits.max() - bits.min() <= 1
+    hull = [1, 2, 3, 4, 5, 6, 7, 8, 32]  # default widths: all on the hull
+    assert hull.index(bits.max()) - hull.index(bits.min()) <= 1  # at most one hull step apart
     uniform = int(np.floor(avg + 1e-9))
     assert bits.min() >= min(uniform, 8)
 
@@ -124,6 +126,31 @@ def test_exact_beats_or_matches_greedy_large() -> None:
     exact = allocate_bits(c, n, 3.0, overhead_bits=0.25)
     greedy = allocate_bits(c, n, 3.0, overhead_bits=0.25, method="greedy")
     budget = np.floor(3.0 * n.sum())
+    for bits in (exact, greedy):
+        assert storage_bits(n, bits, overhead_bits=0.25) <= budget
+    assert predicted_variance(c, exact) <= predicted_variance(c, greedy) * (1 + 1e-12)
+
+
+def test_many_identical_items_tied_at_the_multiplier() -> None:
+    # 10,000 identical items and a budget between the 4- and 5-bit breakpoints (plus less than
+    # one step): every item ties at the multiplier. The exact DP merges them into one class;
+    # item by item it took seconds (a quadratic number of states).
+    n, size = 10_000, 1000
+    budget_bytes = (4500 * n + 500) // 8
+    for method in ("exact", "greedy"):
+        bits = allocate_bits([1.0] * n, [size] * n, None, budget_bytes=budget_bytes, method=method)
+        assert storage_bits([size] * n, bits) <= 8 * budget_bytes
+        assert np.bincount(bits, minlength=6)[4:].tolist() == [n // 2, n // 2]
+        assert np.all(np.diff(bits) <= 0)  # the lowest-indexed items get the extra bit
+
+
+def test_identical_classes_with_odd_items() -> None:
+    # Two large classes tied near the multiplier plus a few odd items that can fill the slack.
+    c = np.r_[np.full(4000, 1.0), np.full(3000, 3.0), [0.7, 5.0, 2.0]]
+    n = np.r_[np.full(4000, 1000), np.full(3000, 1500), [333, 777, 1234]]
+    budget = np.floor(4.3 * n.sum())
+    exact = allocate_bits(c, n, 4.3, overhead_bits=0.25)
+    greedy = allocate_bits(c, n, 4.3, overhead_bits=0.25, method="greedy")
     for bits in (exact, greedy):
         assert storage_bits(n, bits, overhead_bits=0.25) <= budget
     assert predicted_variance(c, exact) <= predicted_variance(c, greedy) * (1 + 1e-12)

@@ -164,17 +164,28 @@ def allocate_bits(
         raise ValueError("pinned widths must be >= 0 (0 = not pinned)")
     quant = np.unique(np.concatenate([allowed, pin[pin > 0]]))
     quant = quant[quant < FULL_PRECISION]
-    width = np.concatenate([np.broadcast_to(quant, (n, quant.size)), fb[:, None]], axis=1)
-    ok = np.isin(width, allowed) | (width >= FULL_PRECISION) & (allowed.max() >= FULL_PRECISION)
-    if lower is not None:
-        ok &= width >= _per_item(lower, n, "lower", np.int64)[:, None]
-    if upper is not None:
-        ok &= width <= _per_item(upper, n, "upper", np.int64)[:, None]
+    # Columns: the quantised widths ``quant`` (shared by all items), then full precision. The
+    # (items, choices) matrices are stored choice-major (Fortran order): numpy's elementwise
+    # ops and reductions over the few choices of every item are several times faster so.
+    ok = np.empty((n, quant.size + 1), dtype=bool, order="F")
+    ok_t = ok.T
+    ok_t[:-1] = np.isin(quant, allowed)[:, None]
+    ok_t[-1] = allowed.max() >= FULL_PRECISION
+    for bound, name, above in ((lower, "lower", True), (upper, "upper", False)):
+        if bound is not None:
+            lim = _per_item(bound, n, name, np.int64)
+            if above:
+                ok_t[:-1] &= quant[:, None] >= lim
+                ok_t[-1] &= fb >= lim
+            else:
+                ok_t[:-1] &= quant[:, None] <= lim
+                ok_t[-1] &= fb <= lim
     is_pinned = pin > 0
-    pin_full = (pin >= FULL_PRECISION) | (pin == fb)
-    target = np.where(pin_full[:, None], width >= FULL_PRECISION, width == pin[:, None])
-    ok = np.where(is_pinned[:, None], target, ok)
-    empty = np.flatnonzero(~ok.any(axis=1))
+    if is_pinned.any():
+        pin_full = (pin >= FULL_PRECISION) | (pin == fb)
+        ok[is_pinned, :-1] = ~pin_full[is_pinned, None] & (quant == pin[is_pinned, None])
+        ok[is_pinned, -1] = pin_full[is_pinned]
+    empty = np.zeros(0, np.int64) if ok.all() else np.flatnonzero(~ok.any(axis=1))
     if empty.size:
         raise ValueError(f"item {int(empty[0])} has no allowed width (check choices/bounds)")
     if n == 0:
@@ -182,11 +193,17 @@ def allocate_bits(
     total = int(size.sum())
     budget = _budget(avg_bits, budget_bytes, total)
     ov = _overhead(size, overhead_bits)
-    w = np.where(
-        width < FULL_PRECISION, size[:, None] * width + ov[:, None], size[:, None] * fb[:, None]
-    )
-    v = c[:, None] * variance_factor(width)
-    least = int(np.where(ok, w, np.iinfo(np.int64).max).min(axis=1).sum())
+    w = np.empty(ok.shape, dtype=np.int64, order="F")
+    w_t = w.T
+    np.multiply.outer(quant, size, out=w_t[:-1])
+    w_t[:-1] += ov
+    w_t[-1] = size * fb
+    v = np.zeros(ok.shape, order="F")
+    np.multiply.outer(variance_factor(quant), c, out=v.T[:-1])
+    if ok.all():  # quantised costs increase with the width: the first or full precision
+        least = int(np.minimum(w[:, 0], w[:, -1]).sum())
+    else:
+        least = int(np.where(ok, w, np.iinfo(np.int64).max).min(axis=1).sum())
     if least > budget:
         avg = least / total if total else float("inf")
         raise ValueError(
@@ -195,7 +212,7 @@ def allocate_bits(
         )
     solve = solve_exact if method == "exact" else solve_greedy
     col = solve(w, v, ok, budget)
-    bits = width[np.arange(n), col]
+    bits = np.where(col < quant.size, np.append(quant, 0)[col], fb)
     return _canonical(bits, c, size, ov, fb, ok)
 
 
@@ -213,6 +230,28 @@ def _canonical(
     keeps the cost; giving the widest to the most sensitive never increases the variance
     (rearrangement inequality, ``S`` decreasing), which makes the result monotone.
     """
+    # Only items sharing their size with another can be interchangeable.
+    by_size = np.argsort(size, kind="stable")
+    sizes = size[by_size]
+    dup = np.zeros(size.size, dtype=bool)
+    dup[1:] = sizes[1:] == sizes[:-1]
+    dup[:-1] |= dup[1:]
+    sub = by_size[dup]
+    if sub.size == 0:
+        return bits
+    out = bits.copy()
+    out[sub] = _canonical_all(bits[sub], c[sub], size[sub], ov[sub], fb[sub], ok[sub])
+    return out
+
+
+def _canonical_all(
+    bits: np.ndarray,
+    c: np.ndarray,
+    size: np.ndarray,
+    ov: np.ndarray,
+    fb: np.ndarray,
+    ok: np.ndarray,
+) -> np.ndarray:
     mask = (ok.astype(np.int64) << np.arange(ok.shape[1])).sum(axis=1)
     keys = (size, ov, fb, mask)
     order = np.lexsort((np.arange(c.size), -c, *reversed(keys)))
