@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Union
+from typing import Union
 
 import gact_kernels
 import torch
@@ -27,6 +27,7 @@ from .swap import Swapper
 __all__ = ["SaveHooks", "Saved"]
 
 _QUANTIZABLE = (torch.float32, torch.float16, torch.bfloat16)
+_PARAM_KEY = "<parameters>"  # ledger key of every parameter/buffer save
 Payload = Union[gact_kernels.QuantizedTensor, gact_kernels.PackedMask]
 
 
@@ -153,9 +154,3 @@ class SaveHooks:
         self.live.add(tensor, saved)
         self.ledger.record(key, tensor, kind, bits, payload.nbytes)
         return saved
-
-    def as_pair(self) -> tuple[Callable, Callable]:
-        return self.pack, self.unpack
-
-
-_PARAM_KEY = "<parameters>"
