@@ -65,27 +65,61 @@ def _a(s: str) -> list[str]:
 
 # Sized so that all six examples x 4 levels x 3 seeds finish in about 40 minutes on 2 CPU cores.
 EXAMPLES = [
-    Example("gcn", "gnn", "GCN / Cora", _a("--model gcn --epochs 100"),
-            _a("--model gcn --epochs 50"), None),
-    Example("sage", "gnn", "GraphSAGE / Cora", _a("--model sage --epochs 100"),
-            _a("--model sage --epochs 50"), None),
-    Example("gat", "gnn", "GAT / Cora", _a("--model gat --epochs 100"),
-            _a("--model gat --epochs 50"), None),
-    Example("mnist", "vision", "ResNet-small / MNIST",
-            _a("--dataset mnist --epochs 1 --train-subset 15000"),
-            _a("--dataset mnist --epochs 1 --train-subset 2000 --test-subset 2000"),
-            _a("--dataset mnist --blocks 3 --batch-size 512 --mem-steps 3"),
-            target=0.3, max_batch=True),
-    Example("cifar10", "vision", "ResNet-small / CIFAR-10 (JPEG)",
-            _a("--dataset cifar10 --epochs 1 --train-subset 10000 --test-subset 5000"),
-            _a("--dataset cifar10 --epochs 1 --train-subset 1000 --test-subset 1000"),
-            None, target=1.0),
-    Example("text", "text", "char-GPT / tiny-shakespeare",
-            _a("--epochs 1 --steps-per-epoch 250"),
-            _a("--epochs 1 --steps-per-epoch 40 --eval-batches 5"),
-            _a("--n-layer 6 --batch-size 64 --block-size 128 --mem-steps 3"),
-            metric="val_loss", target=2.0, max_batch=True),
-]  # fmt: skip
+    Example(
+        "gcn",
+        "gnn",
+        "GCN / Cora",
+        _a("--model gcn --epochs 100"),
+        _a("--model gcn --epochs 50"),
+        None,
+    ),
+    Example(
+        "sage",
+        "gnn",
+        "GraphSAGE / Cora",
+        _a("--model sage --epochs 100"),
+        _a("--model sage --epochs 50"),
+        None,
+    ),
+    Example(
+        "gat",
+        "gnn",
+        "GAT / Cora",
+        _a("--model gat --epochs 100"),
+        _a("--model gat --epochs 50"),
+        None,
+    ),
+    Example(
+        "mnist",
+        "vision",
+        "ResNet-small / MNIST",
+        _a("--dataset mnist --epochs 1 --train-subset 15000"),
+        _a("--dataset mnist --epochs 1 --train-subset 2000 --test-subset 2000"),
+        _a("--dataset mnist --blocks 3 --batch-size 512 --mem-steps 3"),
+        target=0.3,
+        max_batch=True,
+    ),
+    Example(
+        "cifar10",
+        "vision",
+        "ResNet-small / CIFAR-10 (JPEG)",
+        _a("--dataset cifar10 --epochs 1 --train-subset 10000 --test-subset 5000"),
+        _a("--dataset cifar10 --epochs 1 --train-subset 1000 --test-subset 1000"),
+        None,
+        target=1.0,
+    ),
+    Example(
+        "text",
+        "text",
+        "char-GPT / tiny-shakespeare",
+        _a("--epochs 1 --steps-per-epoch 250"),
+        _a("--epochs 1 --steps-per-epoch 40 --eval-batches 5"),
+        _a("--n-layer 6 --batch-size 64 --block-size 128 --mem-steps 3"),
+        metric="val_loss",
+        target=2.0,
+        max_batch=True,
+    ),
+]
 TARGETS = {"L2_ratio": 7.0, "L2.2_ratio": 12.0, "peak_reduction": 3.0}
 
 
@@ -101,6 +135,11 @@ def parse_args(argv=None):
     p.add_argument("--device", default=None)
     p.add_argument("--work-dir", default=None, help="JSON records and logs (default: cache dir)")
     p.add_argument("--resume", action="store_true", help="reuse records already in --work-dir")
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="run nothing: write the report from the records already in --work-dir",
+    )
     p.add_argument("--markdown", default=str(ROOT / "BENCHMARKS.md"))
     p.add_argument("--plots", default=str(ROOT / "plots"))
     p.add_argument("--timeout", type=float, default=1800, help="per-run timeout (s)")
@@ -187,15 +226,18 @@ def collect(args) -> dict:
                 jobs.append((ex, "train", level, seed))
         if not args.no_mem and ex.mem:
             jobs += [(ex, "mem", level, 0) for level in args.levels]
-    results: dict = {"train": {}, "mem": {}, "max_batch": {}, "failures": []}
+    results: dict = {"train": {}, "mem": {}, "max_batch": {}, "failures": [], "missing": []}
     t0 = time.time()
-    bar = tqdm(jobs, desc="bench", dynamic_ncols=True)
+    bar = tqdm(jobs, desc="bench", dynamic_ncols=True, disable=args.report_only)
     for ex, kind, level, seed in bar:
         bar.set_postfix_str(f"{ex.name} {level} seed {seed} {kind}")
         tag = "quick" if args.quick else "full"
         jpath = work / f"{tag}-{kind}-{ex.name}-{level}-s{seed}.json"
-        if args.resume and jpath.exists():
+        if (args.resume or args.report_only) and jpath.exists():
             rec = json.loads(jpath.read_text())
+        elif args.report_only:
+            results["missing"].append(f"{ex.name} {kind} {level} seed {seed}")
+            continue
         else:
             cmd = script_command(ex.script, run_args(ex, args, level, seed, jpath, kind))
             rec = run_json(cmd, jpath, jpath.with_suffix(".log"), timeout=args.timeout)
@@ -205,14 +247,14 @@ def collect(args) -> dict:
             results["failures"].append(msg)
             continue
         results[kind].setdefault(ex.name, {}).setdefault(level, []).append(rec)
-    if args.cuda and not args.no_max_batch:
+    if args.cuda and not args.no_max_batch and not args.report_only:
         for ex in exs:
             if ex.max_batch:
                 for level in args.levels:
                     results["max_batch"].setdefault(ex.name, {})[level] = max_batch(
                         ex, args, level, work
                     )
-    results["wall_s"] = time.time() - t0
+    results["wall_s"] = None if args.report_only else time.time() - t0
     results["work_dir"] = str(work)
     (work / f"results-{'quick' if args.quick else 'full'}.json").write_text(
         json.dumps(results, indent=1, default=str)
@@ -232,14 +274,30 @@ def render(args, results, machine) -> str:
     w = L.append
     w(BEGIN)
     w("## Examples: accuracy, activation memory and speed per GACT level\n")
+    if results["wall_s"] is not None:
+        wall = f"wall time {results['wall_s'] / 60:.1f} min"
+    else:
+        recs = [
+            r for k in ("train", "mem") for e in results[k].values() for v in e.values() for r in v
+        ]
+        wall = "report regenerated from saved records; their training time sums to " + (
+            f"{sum(r.get('train_time_s') or 0 for r in recs) / 60:.1f} min"
+        )
     w(
         f"Generated by `python examples/bench.py --data DATA{' --quick' if args.quick else ''}"
-        f" --seeds {args.seeds}` on {time.strftime('%Y-%m-%d %H:%M %Z')} "
-        f"(wall time {results['wall_s'] / 60:.1f} min). Numbers are mean ± std over "
-        f"{args.seeds} seed(s) unless marked. fp32 = level L0 (measuring-only hooks: tensors "
-        "stored unchanged, bytes counted the same way as at the compressed levels).\n"
+        f" --seeds {args.seeds}` on {time.strftime('%Y-%m-%d %H:%M %Z')} ({wall}). "
+        f"Numbers are mean ± std over {args.seeds} seed(s) unless marked (n=). fp32 = level L0 "
+        "(GACT's measuring-only hooks: tensors stored unchanged and counted; see the note under "
+        "the activation table for how its count differs).\n"
     )
     w("**Machine**: " + ", ".join(f"{k} {v}" for k, v in machine.items()) + "\n")
+    if results.get("missing"):
+        w(
+            f"**Not run** ({len(results['missing'])} of the planned runs; the benchmark was "
+            "stopped before them, tables use the completed seeds, n shown where fewer): "
+            + "; ".join(results["missing"])
+            + "\n"
+        )
     if results["failures"]:
         w("**Failed runs** (excluded from the tables): " + "; ".join(results["failures"]) + "\n")
 
