@@ -144,10 +144,12 @@ def bar_chart(
         ax.set_xticks(list(x), labels, rotation=0, fontsize=8)
         ax.set_title(ylabel, fontsize=9)
         ax.tick_params(axis="y", labelsize=8)
-        finite = [v for v in vals if math.isfinite(v)]
-        if finite and ylabel.lower().startswith(("test acc", "accuracy")):
-            lo = min(finite)
-            ax.set_ylim(max(0.0, lo - 0.05 * max(1e-9, max(finite) - lo) - 0.02), None)
+        pairs = [(v, e or 0.0) for v, e in zip(vals, errs) if math.isfinite(v)]
+        if pairs and any(k in ylabel.lower() for k in ("acc", "loss")):  # zoom on differences
+            lo = min(v - e for v, e in pairs)
+            hi = max(v + e for v, e in pairs)
+            pad = max(0.02 * abs(hi), 0.25 * (hi - lo))
+            ax.set_ylim(lo - pad, hi + pad)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
