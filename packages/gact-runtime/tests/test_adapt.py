@@ -96,7 +96,7 @@ def test_sensitive_tensors_get_more_bits_within_budget() -> None:
     model = TwoPaths()
     x, y = torch.randn(256, 256), torch.randint(0, 4, (256,))
     for method in ("pairwise", "probe"):
-        cfg = GactConfig.from_level("L2", min_numel=0, sensitivity_method=method, probes=8)
+        cfg = GactConfig.from_level("L2", min_numel=0, sensitivity_method=method, num_probes=8)
         with Controller(model, cfg) as controller:
             controller.iterate(make_closure(model, x, y))
             controller.iterate(make_closure(model, x, y))
@@ -108,3 +108,39 @@ def test_sensitive_tensors_get_more_bits_within_budget() -> None:
         numel = {k: records[k].numel for k in bits}
         used = sum(n * (bits[k] + 0.25 if bits[k] <= 8 else bits[k]) for k, n in numel.items())
         assert used <= 4.0 * sum(numel.values())
+
+
+def test_probes_on_a_sub_batch_still_measure_small_tensors() -> None:
+    model, x, y = make_case("mlp")  # batch 32: activations of 32 x 128 = 4096 elements
+    cfg = GactConfig.from_level("L2", min_numel=2048)
+    with Controller(model, cfg) as controller:
+        controller.iterate(
+            make_closure(model, x, y), probe_closure=make_closure(model, x[:4], y[:4])
+        )
+    sens = controller.plan.sensitivity
+    # On the 4-row sub-batch these inputs have 256 and 512 elements, under min_numel; probes
+    # still quantize them, so their estimates are real rather than a spurious zero.
+    assert sens["fc1#0:float32:2d"] > 0 and sens["fc2#0:float32:2d"] > 0, sens
+
+
+def test_a_failing_adaptation_still_closes_the_step() -> None:
+    model, x, y = make_case("mlp")
+    calls = {"n": 0}
+    closure = make_closure(model, x, y)
+
+    def flaky() -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] == 2:  # the first probe
+            raise RuntimeError("probe failed")
+        return closure()
+
+    with Controller(model, GactConfig.from_level("L2", min_numel=0)) as controller:
+        try:
+            controller.iterate(flaky)
+        except RuntimeError as e:
+            assert "probe failed" in str(e)
+        else:
+            raise AssertionError("the probe's exception was swallowed")
+        assert controller.stats()["step"] == 1 and not controller.ledger.current
+        controller.iterate(closure)
+    assert controller.stats()["step"] == 2

@@ -31,9 +31,9 @@ def test_unknown_option_lists_the_valid_ones() -> None:
         ("group_size", 100),
         ("min_numel", -1),
         ("adapt_interval", 0),
-        ("probes", 1),
-        ("probes", 2.5),
-        ("smoothing", 1.0),
+        ("num_probes", 1),
+        ("num_probes", 2.5),
+        ("sensitivity_momentum", 1.0),
         ("seed", -1),
         ("sensitivity_method", "subset"),
     ],
@@ -65,3 +65,11 @@ def test_set_optimization_level_is_the_default_of_new_controllers() -> None:
 def test_metadata_budget() -> None:
     assert GactConfig(group_size=256).overhead_bits == 0.25
     assert GactConfig(group_size=128).overhead_bits == 0.5
+
+
+def test_budget_that_metadata_alone_exceeds_is_refused_up_front() -> None:
+    # L2.2 averages 2 bits with metadata; groups of 32 cost 2 bits of metadata per element
+    with pytest.raises(ConfigError, match=r"group_size >= 64"):
+        GactConfig.from_level("L2.2", group_size=32)
+    assert GactConfig.from_level("L2.2", group_size=64).overhead_bits == 1.0
+    assert GactConfig.from_level("L1.2", group_size=32).bits == 2  # fixed widths are not budgets

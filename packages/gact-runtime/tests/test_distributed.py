@@ -23,7 +23,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, port: int, queue: mp.SimpleQueue) -> None:
+def _worker(rank: int, port: int, queue: mp.SimpleQueue, bucket_view: bool) -> None:
     from gact import Controller, GactConfig
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -31,36 +31,53 @@ def _worker(rank: int, port: int, queue: mp.SimpleQueue) -> None:
     try:
         torch.manual_seed(0)  # same initial weights on every rank
         model = DistributedDataParallel(
-            nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 128), nn.ReLU(),
-                          nn.Linear(128, 10))  # fmt: skip
+            nn.Sequential(
+                nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10)
+            ),
+            gradient_as_bucket_view=bucket_view,
         )
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         g = torch.Generator().manual_seed(100 + rank)  # different data on every rank
-        x, y = torch.randn(64, 64, generator=g), torch.randint(0, 10, (64,), generator=g)
-        cfg = GactConfig.from_level("L2", min_numel=0, adapt_interval=2)
+        # rank 1's batch is smaller: its sites are fewer-element than rank 0's, and its
+        # last layer's input falls below min_numel, yet both ranks must probe the same items
+        n = 64 if rank == 0 else 48
+        x, y = torch.randn(n, 64, generator=g), torch.randint(0, 10, (n,), generator=g)
+        cfg = GactConfig.from_level("L2", min_numel=6144, adapt_interval=2)
+
+        def closure() -> None:
+            loss = F.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+
+        # The real step's gradients, without probes (a fresh controller uses the same seeds).
+        with Controller(model, cfg) as reference:
+            reference.run_closure(closure)
+        expected = [p.grad.clone() for p in model.parameters()]
         with Controller(model, cfg) as controller:
-            for _ in range(4):
-
-                def closure() -> None:
-                    loss = F.cross_entropy(model(x), y)
-                    optimizer.zero_grad()
-                    loss.backward()
-
-                controller.iterate(closure)
+            for step in range(4):
+                controller.iterate(closure)  # adapts at steps 0 and 2
+                if step == 0:
+                    grads_kept = all(
+                        torch.equal(p.grad, e) for p, e in zip(model.parameters(), expected)
+                    )
                 optimizer.step()
         params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         digest = hashlib.sha256(params.numpy().tobytes()).hexdigest()  # small: the pipe is joined
-        queue.put((rank, dict(controller.plan.bits), digest))
+        queue.put((rank, dict(controller.plan.bits), digest, grads_kept))
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
-def test_ddp_ranks_agree_on_bits_and_weights() -> None:
+@pytest.mark.parametrize("bucket_view", [False, True])
+def test_ddp_ranks_agree_on_bits_and_weights(bucket_view: bool) -> None:
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(_free_port(), queue), nprocs=WORLD, start_method="spawn")
+    mp.start_processes(
+        _worker, args=(_free_port(), queue, bucket_view), nprocs=WORLD, start_method="spawn"
+    )
     results = sorted(queue.get() for _ in range(WORLD))
-    (_, bits0, params0), (_, bits1, params1) = results
+    (_, bits0, params0, kept0), (_, bits1, params1, kept1) = results
     assert bits0 and bits0 == bits1
     assert params0 == params1  # the replicas stayed identical through probes and steps
+    assert kept0 and kept1  # probes did not overwrite the real step's (bucket-view) gradients

@@ -6,7 +6,9 @@
 # (reset before every probe, so dropout draws the same masks in each, and restored after), every
 # buffer's value (BatchNorm running statistics and ``num_batches_tracked``), every module's
 # training flag, and the gradient tensors the user's closure produced (set aside, so probes
-# accumulate into fresh ``.grad`` tensors, and put back untouched). No optimizer is involved.
+# accumulate into fresh ``.grad`` tensors, and put back with their values). No optimizer is
+# involved. Under torch.distributed, rank 0's list of items is used by every rank, so all ranks
+# run the same number of probes (their all-reduces match) and allocate the same bits.
 # The ledger of the open step is swapped out while probing, so ``stats()`` never counts probes.
 """
 
@@ -19,6 +21,7 @@ from typing import Any, Callable
 import gact_policy
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .ledger import Kind, Ledger, SiteRecord
@@ -44,7 +47,12 @@ class ProbeGuard:
         model = self._model
         self._cpu_rng = torch.get_rng_state()
         self._cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        self._grads = [(p, p.grad) for p in model.parameters()]
+        # The user's gradient tensors are set aside and later refilled in place: under DDP with
+        # gradient_as_bucket_view=True they are views of the buckets that probes all-reduce into.
+        self._grads = [
+            (p, p.grad, None if p.grad is None else p.grad.detach().clone())
+            for p in model.parameters()
+        ]
         self._buffers = [(b, b.detach().clone()) for b in model.buffers()]
         self._modes = [(m, m.training) for m in model.modules()]
         return self
@@ -55,7 +63,7 @@ class ProbeGuard:
             torch.cuda.set_rng_state_all(self._cuda_rng)
 
     def clear_grads(self) -> None:
-        for p, _ in self._grads:
+        for p, _, _ in self._grads:
             p.grad = None
 
     def __exit__(self, *exc: object) -> None:
@@ -63,8 +71,10 @@ class ProbeGuard:
         with torch.no_grad():
             for buf, value in self._buffers:
                 buf.copy_(value)
-        for p, grad in self._grads:
-            p.grad = grad
+            for p, grad, value in self._grads:
+                if grad is not None:
+                    grad.copy_(value)
+                p.grad = grad
         for module, training in self._modes:
             module.training = training
 
@@ -98,15 +108,16 @@ class Adapter:
             sites: the open step's records; every quantizable key among them is an item.
             run_closure: runs a closure and checks that it ran a backward.
         """
-        items = [r for r in sites.values() if _quantizable(r)]
+        items = _agreed([(r.key, r.numel, torch.finfo(r.dtype).bits) for r in sites.values()
+                         if _quantizable(r)])  # fmt: skip
         if not items:
             return
         start = time.perf_counter()
         plan, cfg = self._plan, self._plan.config
-        keys = [r.key for r in items]
+        keys = [key for key, _, _ in items]
         index = {k: i for i, k in enumerate(keys)}
-        numel = np.array([r.numel for r in items], dtype=np.int64)
-        full_bits = np.array([torch.finfo(r.dtype).bits for r in items], dtype=np.int64)
+        numel = np.array([n for _, n, _ in items], dtype=np.int64)
+        full_bits = np.array([b for _, _, b in items], dtype=np.int64)
         probe_bits = np.array(
             [min(plan.bits.get(k, plan.default_bits), 8) for k in keys], dtype=np.int64
         )
@@ -131,7 +142,7 @@ class Adapter:
 
         # keys seen for the first time start from their own estimate
         previous = [plan.sensitivity.get(k, float(e)) for k, e in zip(keys, estimate)]
-        sensitivity = gact_policy.smooth(previous, estimate, cfg.smoothing)
+        sensitivity = gact_policy.smooth(previous, estimate, cfg.sensitivity_momentum)
         assert cfg.avg_bits is not None
         bits = gact_policy.allocate_bits(
             sensitivity,
@@ -158,8 +169,17 @@ class Adapter:
         seed = mix_seed(cfg.seed, self._plan.step, 0x5E5) >> 1
         if cfg.sensitivity_method == "probe":
             return gact_policy.probe_sensitivity(grad, bits, seed=seed)
-        probes = max(cfg.probes or 0, gact_policy.min_pair_probes(bits.size))
+        probes = max(cfg.num_probes or 0, gact_policy.min_pair_probes(bits.size))
         return gact_policy.pairwise_sensitivity(grad, bits, num_probes=probes, seed=seed)
+
+
+def _agreed(items: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """Rank 0's items on every rank of an initialised process group; ``items`` otherwise."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return items
+    box = [items]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _quantizable(rec: SiteRecord) -> bool:

@@ -53,7 +53,6 @@ LEVELS: dict[str, Level] = {
 }
 
 _SENSITIVITY_METHODS = ("pairwise", "probe")
-_GROUP_SIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
 @dataclass(frozen=True)
@@ -68,10 +67,10 @@ class GactConfig:
         sensitivity_method: ``"pairwise"`` (``gact_policy.pairwise_sensitivity``: about
             ``sqrt(2L)`` probes for ``L`` tensors, each re-seeding a set of tensors) or ``"probe"``
             (``gact_policy.probe_sensitivity``, the paper's Algorithm 1: ``L + 1`` probes).
-        probes: probes of the ``"pairwise"`` method; ``None`` (or fewer than needed) takes the
-            minimum, ``gact_policy.min_pair_probes(L)``. More probes, lower estimation error.
-        smoothing: weight of the previous estimate in the exponential moving average of
-            sensitivities, in ``[0, 1)``.
+        num_probes: probes of the ``"pairwise"`` method; ``None`` (or fewer than needed) takes
+            the minimum, ``gact_policy.min_pair_probes(L)``. More probes, lower estimation error.
+        sensitivity_momentum: weight of the previous estimate in the exponential moving average
+            of sensitivities (``gact_policy.smooth``'s ``momentum``), in ``[0, 1)``.
         seed: base seed of the stochastic rounding streams.
 
     Example::
@@ -86,8 +85,8 @@ class GactConfig:
     min_numel: int = 1024
     adapt_interval: int = 1000
     sensitivity_method: str = "pairwise"
-    probes: int | None = None
-    smoothing: float = 0.5
+    num_probes: int | None = None
+    sensitivity_momentum: float = 0.5
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -95,8 +94,24 @@ class GactConfig:
             raise ConfigError(
                 f"unknown optimization level {self.level!r}; valid levels: {', '.join(LEVELS)}"
             )
-        if self.group_size not in _GROUP_SIZES:
-            raise ConfigError(f"group_size must be one of {_GROUP_SIZES}, got {self.group_size!r}")
+        if (
+            not isinstance(self.group_size, int)
+            or self.group_size % 8
+            or not 8 <= self.group_size <= 65536
+        ):
+            raise ConfigError(
+                "group_size must be a multiple of 8 in [8, 65536] (gact_kernels' rule), "
+                f"got {self.group_size!r}"
+            )
+        avg = LEVELS[self.level].avg_bits
+        if avg is not None and avg < 1 + self.overhead_bits:
+            smallest = next(g for g in range(8, 65537, 8) if 1 + 64 / g <= avg)
+            raise ConfigError(
+                f"level {self.level} averages {avg} bits per element, metadata included, but "
+                f"group_size={self.group_size} already costs {self.overhead_bits} bits of "
+                f"metadata per element on top of at least 1 bit of data; use group_size >= "
+                f"{smallest} or a level with more bits"
+            )
         if not isinstance(self.min_numel, int) or self.min_numel < 0:
             raise ConfigError(f"min_numel must be an int >= 0, got {self.min_numel!r}")
         if not isinstance(self.adapt_interval, int) or self.adapt_interval < 1:
@@ -106,10 +121,14 @@ class GactConfig:
                 f"sensitivity_method must be one of {_SENSITIVITY_METHODS}, "
                 f"got {self.sensitivity_method!r}"
             )
-        if self.probes is not None and (not isinstance(self.probes, int) or self.probes < 2):
-            raise ConfigError(f"probes must be None or an int >= 2, got {self.probes!r}")
-        if not 0.0 <= self.smoothing < 1.0:
-            raise ConfigError(f"smoothing must be in [0, 1), got {self.smoothing!r}")
+        if self.num_probes is not None and (
+            not isinstance(self.num_probes, int) or self.num_probes < 2
+        ):
+            raise ConfigError(f"num_probes must be None or an int >= 2, got {self.num_probes!r}")
+        if not 0.0 <= self.sensitivity_momentum < 1.0:
+            raise ConfigError(
+                f"sensitivity_momentum must be in [0, 1), got {self.sensitivity_momentum!r}"
+            )
         if not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
             raise ConfigError(f"seed must be an int in [0, 2**64), got {self.seed!r}")
 

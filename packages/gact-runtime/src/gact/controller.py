@@ -31,6 +31,13 @@ from .swap import Swapper
 
 __all__ = ["Controller"]
 
+
+def _top_saved_tensors_hooks() -> tuple[Callable, Callable] | None:
+    """The innermost saved-tensor hooks pair, or ``None`` where torch cannot tell (< 2.4)."""
+    getter = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return None if getter is None else getter(False)
+
+
 logger = logging.getLogger("gact")
 T = TypeVar("T")
 
@@ -79,13 +86,17 @@ class Controller:
         self.plan = BitPlan(config if config is not None else get_config())
         self.ledger = Ledger()
         self.parameters = ParameterFilter(model)
-        self.tracker = ScopeTracker(model, on_root_forward=self.parameters.refresh)
+        self.tracker = ScopeTracker(model, on_root_forward=self._on_root_forward)
         self.hooks = SaveHooks(
             self.plan, self.tracker, self.parameters, self.ledger, self._make_swapper()
         )
         self.adapter = Adapter(model, self.plan, self.hooks)
         self._context: torch.autograd.graph.saved_tensors_hooks | None = None
         self._seconds = 0.0
+
+    def _on_root_forward(self) -> None:
+        self.parameters.refresh()  # follows model.to(...)
+        self.hooks.live.clear()
 
     # ----------------------------------------------------------------- configuration
     @property
@@ -133,8 +144,8 @@ class Controller:
         """Stop compressing. Tensors saved so far stay compressed and still unpack correctly."""
         if self._context is None:
             raise HookStateError("uninstall_hook() called but the hooks are not installed")
-        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        if top is None or top[0] != self.hooks.pack:
+        top = _top_saved_tensors_hooks()
+        if top is not None and top[0] != self.hooks.pack:
             raise HookStateError(
                 "another saved_tensors_hooks context was entered after install_hook() and is "
                 "still active; exit it before uninstall_hook()"
@@ -172,10 +183,12 @@ class Controller:
         except BaseException:
             self.ledger.discard()
             raise
-        if self.config.spec.adaptive and self.plan.step % self.config.adapt_interval == 0:
-            self.adapter.adapt(probe_closure or closure, self.ledger.current, self.run_closure)
-        self._seconds += time.perf_counter() - start
-        self.step()
+        try:
+            if self.config.spec.adaptive and self.plan.step % self.config.adapt_interval == 0:
+                self.adapter.adapt(probe_closure or closure, self.ledger.current, self.run_closure)
+        finally:  # a failed adaptation still ends the step the real closure completed
+            self._seconds += time.perf_counter() - start
+            self.step()
         return result
 
     def run_closure(self, closure: Callable[[], T]) -> T:
@@ -212,15 +225,16 @@ class Controller:
             ``original_bytes`` (saved activations uncompressed), ``stored_bytes`` (held,
             metadata included), ``ratio``, ``compressed_tensors``, ``skipped_tensors``,
             ``parameter_saves``, ``deduplicated_saves``, ``average_bits``, ``sites``, ``level``,
-            ``step``, ``adaptations`` and ``adaptation_overhead`` (probe time / training time).
+            ``step``, ``adaptations`` and ``adaptation_overhead`` (time spent adapting divided by
+            the rest of ``iterate``'s time).
         """
         out = self.ledger.stats()
-        total = self._seconds
+        training = self._seconds - self.adapter.seconds
         out.update(
             level=self.config.level,
             step=self.plan.step,
             adaptations=self.adapter.count,
-            adaptation_overhead=self.adapter.seconds / total if total else 0.0,
+            adaptation_overhead=self.adapter.seconds / training if training > 0 else 0.0,
         )
         return out
 

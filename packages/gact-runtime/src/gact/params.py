@@ -33,12 +33,10 @@ _CAST_OR_VIEW = frozenset(
         "ReshapeAliasBackward0",
         "PermuteBackward0",
         "TransposeBackward0",
-        "ExpandBackward0",
         "UnsqueezeBackward0",
         "SqueezeBackward0",
         "SqueezeBackward1",
         "AliasBackward0",
-        "CloneBackward0",
         "SliceBackward0",
         "SelectBackward0",
     }

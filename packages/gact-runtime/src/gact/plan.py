@@ -76,6 +76,11 @@ class BitPlan:
         assert cfg.avg_bits is not None
         return max(1, min(MAX_BITS, math.floor(cfg.avg_bits - cfg.overhead_bits)))
 
+    def probes(self, key: str) -> bool:
+        """Whether a running probe names ``key`` (it is then compressed whatever its size, so a
+        probe on a smaller sub-batch still measures it)."""
+        return self.probe is not None and key in self.probe.index
+
     def bits_for(self, key: str) -> int | None:
         """Bit width for ``key``; ``None`` keeps the tensor at full precision."""
         if self.probe is not None:

@@ -7,13 +7,13 @@
 # there is no side table, no reference count and nothing to leak when a backward never runs:
 # the graph's death frees the payload. ``unpack`` never consumes the payload, so a second
 # backward (``retain_graph=True``) works. A tensor saved by several ops (same object, same
-# version) is compressed once: a weak table maps live tensors to their live ``Saved``.
+# version) is stored and counted once, whatever the level: a weak table maps live tensors to
+# what their first save returned.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Union
 
 import gact_kernels
 import torch
@@ -22,13 +22,12 @@ from .ledger import Kind, Ledger
 from .params import ParameterFilter
 from .plan import BitPlan
 from .scope import ScopeTracker
-from .swap import Swapper
+from .swap import Payload, Swapper
 
 __all__ = ["SaveHooks", "Saved"]
 
 _QUANTIZABLE = (torch.float32, torch.float16, torch.bfloat16)
 _PARAM_KEY = "<parameters>"  # ledger key of every parameter/buffer save
-Payload = Union[gact_kernels.QuantizedTensor, gact_kernels.PackedMask]
 
 
 class Saved:
@@ -49,18 +48,24 @@ class Saved:
 
 
 class _LiveTable:
-    """Weak map from live tensors (same object, same version) to their live ``Saved``."""
+    """Weak map from live tensors (same object, same version, same forward) to what ``pack``
+    returned for them."""
 
     def __init__(self) -> None:
-        self._entries: dict[int, tuple[weakref.ref, int, weakref.ref]] = {}
+        self._entries: dict[int, tuple[weakref.ref, int, weakref.ref, int]] = {}
 
-    def get(self, tensor: torch.Tensor) -> Saved | None:
+    def get(self, tensor: torch.Tensor, forward: int) -> torch.Tensor | Saved | None:
         entry = self._entries.get(id(tensor))
-        if entry is None or entry[0]() is not tensor or entry[1] != tensor._version:
+        if (
+            entry is None
+            or entry[0]() is not tensor
+            or entry[1] != tensor._version
+            or entry[3] != forward
+        ):
             return None
         return entry[2]()
 
-    def add(self, tensor: torch.Tensor, saved: Saved) -> None:
+    def add(self, tensor: torch.Tensor, saved: torch.Tensor | Saved, forward: int) -> None:
         ident = id(tensor)
         entries = self._entries
 
@@ -73,7 +78,12 @@ class _LiveTable:
             weakref.ref(tensor, forget),
             tensor._version,
             weakref.ref(saved, forget),
+            forward,
         )
+
+    def clear(self) -> None:
+        """Drop every entry (a new forward starts: old entries can no longer match)."""
+        self._entries.clear()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -110,17 +120,16 @@ class SaveHooks:
         if self.is_parameter(tensor):
             self.ledger.record(_PARAM_KEY, tensor, Kind.PARAMETER, None, 0)
             return tensor
-        hit = self.live.get(tensor)
+        # Every save advances its scope's counter, deduplicated or not, so that keys never
+        # depend on how earlier tensors were treated (see NOTE [Save-site keys]).
+        key = self.tracker.next_key(tensor)
+        hit = self.live.get(tensor, self.tracker.generation)
         if hit is not None:
             self.ledger.deduplicated += 1
             return hit
-        key = self.tracker.next_key(tensor)
         cfg = self.plan.config
-        if (
-            not cfg.spec.compresses
-            or tensor.numel() < cfg.min_numel
-            or tensor.layout is not torch.strided
-        ):
+        small = tensor.numel() < cfg.min_numel and not self.plan.probes(key)
+        if not cfg.spec.compresses or small or tensor.layout is not torch.strided:
             return self._keep(key, tensor, None)
         with torch.no_grad():
             if tensor.dtype is torch.bool:
@@ -144,6 +153,8 @@ class SaveHooks:
         return saved.restore()
 
     def _keep(self, key: str, tensor: torch.Tensor, bits: int | None) -> torch.Tensor:
+        # a second save of it in this forward is a duplicate, at every level
+        self.live.add(tensor, tensor, self.tracker.generation)
         self.ledger.record(key, tensor, Kind.KEPT, bits, tensor.numel() * tensor.element_size())
         return tensor
 
@@ -151,6 +162,6 @@ class SaveHooks:
         self, key: str, tensor: torch.Tensor, payload: Payload, kind: Kind, bits: int
     ) -> Saved:
         saved = Saved(payload, self.swapper)
-        self.live.add(tensor, saved)
+        self.live.add(tensor, saved, self.tracker.generation)
         self.ledger.record(key, tensor, kind, bits, payload.nbytes)
         return saved

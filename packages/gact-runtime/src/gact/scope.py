@@ -59,11 +59,19 @@ class ScopeTracker:
         self._on_root_forward = on_root_forward
         self._local = threading.local()
         self._handles: list[RemovableHandle] = []
+        self._generation = 0  # bumped at every root forward
 
     def _stack(self) -> list[_Frame]:
-        stack = getattr(self._local, "stack", None)
+        local = self._local
+        stack = getattr(local, "stack", None)
         if stack is None:
-            stack = self._local.stack = [_Frame(None, OUTSIDE)]
+            stack = local.stack = [_Frame(None, OUTSIDE)]
+            local.generation = self._generation
+        elif local.generation != self._generation:
+            # Another thread (e.g. an autograd worker recomputing a checkpointed region) saw a
+            # root forward start since: its <outside> counter restarts like the main thread's.
+            stack[0].count = 0
+            local.generation = self._generation
         return stack
 
     def attach(self) -> None:
@@ -84,10 +92,10 @@ class ScopeTracker:
 
     def _make_enter(self, label: str):
         def enter(module: nn.Module, args: object) -> None:
-            stack = self._stack()
             if module is self._model:
-                stack[0].count = 0
+                self._generation += 1
                 self._on_root_forward()
+            stack = self._stack()
             stack.append(_Frame(module, label))
 
         return enter
@@ -103,6 +111,11 @@ class ScopeTracker:
                     return
 
         return leave
+
+    @property
+    def generation(self) -> int:
+        """Number of root forwards so far (identifies the current forward)."""
+        return self._generation
 
     def next_key(self, tensor: torch.Tensor) -> str:
         """The key of the next save in the current scope (advances the scope's counter)."""

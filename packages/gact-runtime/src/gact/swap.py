@@ -26,11 +26,12 @@ if TYPE_CHECKING:
 __all__ = ["Swapper"]
 
 logger = logging.getLogger("gact")
+# What a ``Saved`` owns: the two compressed containers of gact_kernels.
 Payload = Union[gact_kernels.QuantizedTensor, gact_kernels.PackedMask]
 
 
 class _Ticket:
-    __slots__ = ("device", "event", "index", "order", "prefetched")
+    __slots__ = ("consumed", "device", "event", "index", "order", "prefetched")
 
     def __init__(self, device: torch.device, order: list[weakref.ref]) -> None:
         self.device = device
@@ -38,6 +39,7 @@ class _Ticket:
         self.index = len(order)
         self.event: torch.cuda.Event | None = None
         self.prefetched: Payload | None = None
+        self.consumed = False  # fetched once: never prefetched again (retain_graph, reuse)
 
 
 class Swapper:
@@ -89,6 +91,7 @@ class Swapper:
         if payload is None:
             payload = self._copy_in(saved, ticket)
         ticket.prefetched = None
+        ticket.consumed = True
         assert ticket.event is not None
         current.wait_event(ticket.event)
         for buf in payload.buffers():
@@ -106,7 +109,7 @@ class Swapper:
     def _prefetch_before(self, ticket: _Ticket) -> None:
         for i in range(ticket.index - 1, -1, -1):
             owner = ticket.order[i]()
-            if owner is None or owner.ticket is None:
+            if owner is None or owner.ticket is None or owner.ticket.consumed:
                 continue
             if owner.ticket.prefetched is None:
                 owner.ticket.prefetched = self._copy_in(owner, owner.ticket)
