@@ -28,12 +28,13 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import gact
 import numpy as np
 import torch
 
 from common.data import default_data_root
 
-LEVELS = ("L0", "L1", "L1.1", "L1.2", "L2", "L2.1", "L2.2", "L3")
+LEVELS = tuple(gact.LEVELS)
 STAT_KEYS = ("original_bytes", "stored_bytes", "compressed_tensors", "skipped_tensors")
 # Every JSON record carries at least these keys (the bench and the tests rely on them).
 REQUIRED_KEYS = (
@@ -126,8 +127,6 @@ def setup(args: argparse.Namespace) -> torch.device:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda requested but CUDA is not available")
-    if args.gact and args.level == "L3" and device.type != "cuda":
-        raise SystemExit("level L3 swaps to pinned host memory and needs --device cuda")
     return device
 
 
@@ -215,10 +214,8 @@ def make_controller(model: torch.nn.Module, args: argparse.Namespace):
     """A GACT controller for ``model`` at ``args.level`` (hook installed), or None without --gact."""
     if not args.gact:
         return None
-    import gact
     from gact import Controller, GactConfig
 
-    gact.set_optimization_level(args.level)
     options = {}
     if args.adapt_interval is not None:
         options["adapt_interval"] = args.adapt_interval

@@ -6,7 +6,6 @@ import argparse
 import json
 
 import bench
-import pytest
 
 
 def _rec(level, metric, orig, stored, seed):
@@ -61,7 +60,6 @@ def test_render_and_markdown_markers(tmp_path):
 
 
 def test_demo_runs(tmp_path, capsys):
-    pytest.importorskip("gact")
     import demo
 
     records = demo.main(

@@ -8,8 +8,6 @@ import math
 import pytest
 from common.train import REQUIRED_KEYS
 
-gact = pytest.importorskip("gact")
-
 TINY = {
     "gcn": ("gnn.train_gnn", ["--model", "gcn", "--epochs", "2"]),
     "sage": ("gnn.train_gnn", ["--model", "sage", "--epochs", "2"]),
