@@ -375,6 +375,15 @@ def fmt_bytes(n: float | None) -> str:
     return f"{n:.1f} GiB"
 
 
+def finish(args: argparse.Namespace, run: Run, rec: dict[str, Any]) -> dict[str, Any]:
+    """The end of every script: the per-tensor report (--get-mem), the JSON, the summary."""
+    if args.get_mem and run.report():
+        print(run.report())
+    write_json(args.json, rec)
+    print_summary(rec)
+    return rec
+
+
 def print_summary(rec: dict[str, Any], file=None) -> None:
     """The one-screen summary every script ends with."""
     file = file or sys.stdout

@@ -16,7 +16,7 @@ if __package__ in (None, ""):  # run as a script: make examples/ importable
 import torch
 import torch.nn.functional as F
 from common.data import load_planetoid
-from common.train import Run, base_parser, print_summary, progress, setup, write_json
+from common.train import Run, base_parser, finish, progress, setup
 
 from gnn.models import GNN
 
@@ -97,11 +97,7 @@ def main(argv=None) -> dict:
         hidden=hidden,
         lr=lr,
     )
-    if args.get_mem and run.report():
-        print(run.report())
-    write_json(args.json, rec)
-    print_summary(rec)
-    return rec
+    return finish(args, run, rec)
 
 
 if __name__ == "__main__":

@@ -18,18 +18,7 @@ EXAMPLES = Path(__file__).resolve().parents[1]
 if str(EXAMPLES) not in sys.path:
     sys.path.insert(0, str(EXAMPLES))
 
-CLASSES = (
-    "airplane",
-    "automobile",
-    "bird",
-    "cat",
-    "deer",
-    "dog",
-    "frog",
-    "horse",
-    "ship",
-    "truck",
-)
+from common.data import CIFAR10_CLASSES  # noqa: E402  (needs the path above)
 
 
 def write_idx(path: Path, arr: np.ndarray) -> None:
@@ -101,7 +90,7 @@ def make_cifar(root: Path, per_class_train: int = 3, per_class_test: int = 2) ->
     d.mkdir(parents=True)
     with tarfile.open(d / "cifar10_jpg.tar.gz", "w:gz") as tar:
         for split, n in (("train", per_class_train), ("test", per_class_test)):
-            for c, cls in enumerate(CLASSES):
+            for c, cls in enumerate(CIFAR10_CLASSES):
                 for i in range(n):
                     img = np.zeros((32, 32, 3), dtype=np.uint8)
                     img[..., c % 3] = 25 * c  # colour encodes the class

@@ -15,7 +15,7 @@ if __package__ in (None, ""):  # run as a script: make examples/ importable
 import numpy as np
 import torch
 from common.data import load_char_corpus
-from common.train import Run, base_parser, print_summary, progress, setup, write_json
+from common.train import Run, base_parser, finish, progress, setup
 
 from text.model import CharGPT
 
@@ -106,11 +106,7 @@ def main(argv=None) -> dict:
         steps_per_epoch=args.steps_per_epoch,
         lr=lr,
     )
-    if args.get_mem and run.report():
-        print(run.report())
-    write_json(args.json, rec)
-    print_summary(rec)
-    return rec
+    return finish(args, run, rec)
 
 
 if __name__ == "__main__":

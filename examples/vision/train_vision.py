@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from common.data import load_cifar10, load_digits_split, load_mnist
-from common.train import Run, base_parser, print_summary, progress, setup, write_json
+from common.train import Run, base_parser, finish, progress, setup
 
 from vision.models import ResNetSmall
 
@@ -168,11 +168,7 @@ def main(argv=None) -> dict:
         image_size=args.image_size or int(data["x_train"].shape[-1]),
         lr=lr,
     )
-    if args.get_mem and run.report():
-        print(run.report())
-    write_json(args.json, rec)
-    print_summary(rec)
-    return rec
+    return finish(args, run, rec)
 
 
 if __name__ == "__main__":
