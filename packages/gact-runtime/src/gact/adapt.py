@@ -170,7 +170,32 @@ class Adapter:
         if cfg.sensitivity_method == "probe":
             return gact_policy.probe_sensitivity(grad, bits, seed=seed)
         probes = max(cfg.num_probes or 0, gact_policy.min_pair_probes(bits.size))
-        return gact_policy.pairwise_sensitivity(grad, bits, num_probes=probes, seed=seed)
+        estimate = gact_policy.pairwise_sensitivity(grad, bits, num_probes=probes, seed=seed)
+        # A pairwise estimate is an inner product of two noisy differences: for a tensor of
+        # small but real sensitivity it can come out negative and be clipped to 0, which would
+        # give that tensor 1 bit. Those items are measured again, one probe each.
+        doubtful = np.flatnonzero(estimate <= 0)
+        if doubtful.size:
+            estimate[doubtful] = gact_policy.probe_sensitivity(
+                _restricted(grad, bits, doubtful, seed), bits[doubtful], seed=seed + 1
+            )
+        return estimate
+
+
+def _restricted(
+    grad: Callable[[Any], np.ndarray], bits: np.ndarray, items: np.ndarray, seed: int
+) -> Callable[[gact_policy.ProbeConfig], np.ndarray]:
+    """``grad`` seen through a probe configuration of ``items`` only; the other items keep
+    their bits and one fixed seed each."""
+    fixed = np.array([mix_seed(seed, i) for i in range(bits.size)], dtype=np.uint64)
+
+    def sub_grad(probe: gact_policy.ProbeConfig) -> np.ndarray:
+        full_bits, full_seeds = bits.copy(), fixed.copy()
+        full_bits[items] = probe.bits
+        full_seeds[items] = probe.seeds
+        return grad(gact_policy.ProbeConfig(full_bits, full_seeds))
+
+    return sub_grad
 
 
 def _agreed(items: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
