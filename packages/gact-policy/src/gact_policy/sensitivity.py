@@ -249,5 +249,8 @@ def pairwise_sensitivity(
         items, side = np.nonzero(pairs == j)
         diffs.append(g0 - _grad(grad, base.reseeded(items, fresh[items, side])))
     e = np.stack(diffs)
-    inner = np.einsum("ld,ld->l", e[pairs[:, 0]], e[pairs[:, 1]])
+    # All pairwise inner products at once from the K x K Gram matrix: memory O(K·D), never the
+    # O(L·D) of gathering one row pair per item (GBs for a transformer's gradient).
+    gram = e @ e.T
+    inner = gram[pairs[:, 0], pairs[:, 1]]
     return _cap(inner / variance_factor(b), cap)
