@@ -5,7 +5,7 @@ import gzip
 import numpy as np
 import pytest
 from common import data
-from conftest import CLASSES, make_planetoid, write_idx
+from conftest import make_planetoid, write_idx
 
 
 def test_read_idx_roundtrip(tmp_path):
@@ -66,7 +66,7 @@ def test_load_cifar10_and_cache(data_root, tmp_path):
     # colour channel c%3 carries 25*c (JPEG is lossy: allow a few levels)
     for c in range(1, 10):
         px = d["x_train"][3 * c].astype(int)
-        assert abs(px[..., c % 3].mean() - 25 * c) < 4, CLASSES[c]
+        assert abs(px[..., c % 3].mean() - 25 * c) < 4, data.CIFAR10_CLASSES[c]
     files = list(cache.glob("cifar10-*.npz"))
     assert len(files) == 1
     d2 = data.load_cifar10(data_root, cache_dir=cache, verbose=False)  # from the cache
