@@ -1,36 +1,15 @@
+"""Fixtures of the runtime tests; shared helpers live in ``runtime_helpers`` and ``models``."""
+
 from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-
-
-def grads_of(model: nn.Module) -> list[torch.Tensor]:
-    return [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
-
-
-def make_closure(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, rng_seed: int = 123
-) -> Callable[[], torch.Tensor]:
-    """forward + cross-entropy + zero_grad + backward, with a fixed dropout stream."""
-
-    def closure() -> torch.Tensor:
-        torch.manual_seed(rng_seed)
-        model.train()
-        loss = F.cross_entropy(model(x), y)
-        model.zero_grad()
-        loss.backward()
-        return loss
-
-    return closure
 
 
 @pytest.fixture(autouse=True)

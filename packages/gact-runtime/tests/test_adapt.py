@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import gact
+import pytest
 import torch
 import torch.nn.functional as F
-from conftest import grads_of, make_closure
-from gact import Controller, GactConfig
+from gact import ConfigError, Controller, GactConfig, GactWarning
 from gact.ledger import Kind
 from models import make_case
+from runtime_helpers import grads_of, make_closure
 from torch import nn
 
 
@@ -65,8 +67,8 @@ def test_probe_steps_are_not_counted_in_stats() -> None:
         second = controller.stats()
     # the first step ran 1 + K probe closures on top of the real one; none of them is counted
     assert first["original_bytes"] == second["original_bytes"]
-    saves = [first["compressed_tensors"] + first["skipped_tensors"]]
-    saves.append(second["compressed_tensors"] + second["skipped_tensors"])
+    kinds = ("compressed_tensors", "skipped_tensors", "outside_tensors")
+    saves = [sum(first[k] for k in kinds), sum(second[k] for k in kinds)]
     assert (
         saves[0]
         == saves[1]
@@ -144,3 +146,42 @@ def test_a_failing_adaptation_still_closes_the_step() -> None:
         assert controller.stats()["step"] == 1 and not controller.ledger.current
         controller.iterate(closure)
     assert controller.stats()["step"] == 2
+
+
+# ------------------------------------------------------------- byte budget
+
+
+@pytest.mark.parametrize("fraction", [0.15, 0.2, 0.3])
+def test_memory_budget_bounds_the_stored_bytes(fraction: float) -> None:
+    model, x, y = make_case("cnn")
+    closure = make_closure(model, x, y)
+    with Controller(model, GactConfig.from_level("L0")) as controller:
+        controller.iterate(closure)
+    full = controller.stats()["original_bytes"]
+    budget = int(fraction * full)
+    cfg = GactConfig.from_level("L2", min_numel=0, memory_budget=budget)
+    with Controller(model, cfg) as controller:
+        for _ in range(2):  # the first step adapts, the second stores with the new widths
+            controller.iterate(closure)
+    st = controller.stats()
+    assert st["memory_budget"] == budget
+    assert budget * 0.9 <= st["stored_bytes"] <= budget
+
+
+def test_a_budget_too_small_for_one_bit_warns_and_uses_the_smallest_widths() -> None:
+    model, x, y = make_case("cnn")
+    closure = make_closure(model, x, y)
+    with Controller(model, GactConfig.from_level("L2", min_numel=0, memory_budget=1)) as ctl:
+        with pytest.warns(GactWarning, match="cannot hold"):
+            ctl.iterate(closure)
+        ctl.iterate(closure)
+    assert set(ctl.plan.bits.values()) == {1}
+
+
+def test_memory_budget_needs_an_adaptive_level() -> None:
+    with pytest.raises(ConfigError, match="memory_budget needs an adaptive level"):
+        GactConfig.from_level("L1", memory_budget=10**6)
+    with pytest.raises(ConfigError, match="memory_budget must be"):
+        GactConfig.from_level("L2", memory_budget=1.5)
+    assert gact.set_optimization_level("L2", memory_budget=2**20).memory_budget == 2**20
+    gact.set_optimization_level("L2", memory_budget=None)

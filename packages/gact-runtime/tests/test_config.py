@@ -36,6 +36,14 @@ def test_unknown_option_lists_the_valid_ones() -> None:
         ("sensitivity_momentum", 1.0),
         ("seed", -1),
         ("sensitivity_method", "subset"),
+        ("sensitivity_momentum", "0.5"),
+        ("sensitivity_momentum", True),
+        ("seed", True),
+        ("seed", 2**64),
+        ("min_numel", True),
+        ("min_numel", 10.0),
+        ("adapt_interval", True),
+        ("group_size", 256.0),
     ],
 )
 def test_invalid_option_values_raise(field: str, value: object) -> None:

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import threading
+
 import gact
+import gact_policy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_closure
-from gact import ClosureError, Controller, GactConfig, HookStateError
+from gact import ClosureError, Controller, GactConfig, GactWarning, HookStateError
 from gact.controller import Controller as SeedController
+from gact.ledger import Kind
 from models import MLP, make_case
+from runtime_helpers import make_closure
 from torch import nn
 
 
@@ -197,3 +201,142 @@ def test_level_change_mid_step_is_refused() -> None:
     assert controller.stats()["average_bits"] == 2
     with pytest.raises(ValueError, match="unknown optimization level"):
         controller.configure("L5")
+
+
+# ------------------------------------------------------------- several controllers, threads
+
+
+def _weights_of(model: nn.Module) -> set[int]:
+    return {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+
+def test_each_controller_compresses_its_own_models_saves() -> None:
+    a, xa, ya = make_case("mlp")
+    b, xb, yb = make_case("cnn")
+    ctl_a = Controller(a, GactConfig.from_level("L1", min_numel=0))
+    ctl_b = Controller(b, GactConfig.from_level("L1.1", min_numel=0))
+    with ctl_a, ctl_b:  # only B's hooks are the innermost pair: B's pack sees every save
+        make_closure(a, xa, ya)()
+        make_closure(b, xb, yb)()
+        ctl_a.step()
+        ctl_b.step()
+    keys_a, keys_b = set(ctl_a.ledger.last), set(ctl_b.ledger.last)
+    assert ctl_a.stats()["compressed_tensors"] > 0 and ctl_b.stats()["compressed_tensors"] > 0
+    assert {k.split("#")[0] for k in keys_a} <= {"fc1", "fc2", "drop", "<root>", "<parameters>",
+                                                  "<outside>"}  # fmt: skip
+    assert not any(k.startswith(("fc1", "fc2")) for k in keys_b)
+    assert ctl_a.stats()["average_bits"] == 4 and ctl_b.stats()["average_bits"] == 8
+
+
+def test_nested_models_each_keep_their_own_saves() -> None:
+    inner = MLP()
+    outer = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), inner)
+    x, y = torch.randn(32, 32), torch.randint(0, 10, (32,))
+    with Controller(outer, GactConfig.from_level("L1", min_numel=0)) as ctl_outer:
+        with Controller(inner, GactConfig.from_level("L1.2", min_numel=0)) as ctl_inner:
+            make_closure(outer, x, y)()
+            ctl_inner.step()
+        ctl_outer.step()
+    inner_keys = {k.split("#")[0] for k in ctl_inner.ledger.last}
+    outer_keys = {k.split("#")[0] for k in ctl_outer.ledger.last}
+    assert {"fc1", "fc2"} <= inner_keys and not {"2.fc1", "2.fc2"} & outer_keys
+    assert "0" in outer_keys and ctl_inner.stats()["average_bits"] == 2
+
+
+def test_saves_outside_the_models_forward_are_kept() -> None:
+    model, x, y = make_case("mlp")
+    with Controller(model, GactConfig.from_level("L1", min_numel=0)) as controller:
+        logits = model(x)
+        loss = F.cross_entropy(logits * 2, y)  # outside the model's forward
+        loss.backward()
+        controller.step()
+    outside = [r for r in controller.ledger.last.values() if r.key.startswith("<outside>")]
+    assert outside and all(r.kind is Kind.OUTSIDE for r in outside)
+    assert controller.stats()["outside_tensors"] == sum(r.count for r in outside)
+
+
+def test_training_on_another_thread_warns_once() -> None:
+    model, x, y = make_case("mlp")
+    with Controller(model, GactConfig.from_level("L1")) as controller:
+
+        def train() -> None:
+            for _ in range(2):
+                make_closure(model, x, y)()
+
+        with pytest.warns(GactWarning, match="thread-local") as record:
+            worker = threading.Thread(target=train)
+            worker.start()
+            worker.join()
+    assert len([w for w in record if issubclass(w.category, GactWarning)]) == 1
+    assert not controller.ledger.current and controller.ledger.last is None  # nothing compressed
+
+
+def test_two_controllers_on_one_model_are_refused() -> None:
+    model, _, _ = make_case("mlp")
+    with Controller(model, GactConfig.from_level("L1")):
+        with pytest.raises(HookStateError, match="already installed on this model"):
+            Controller(model).install_hook()
+
+
+# ------------------------------------------------------------- steps (NOTE [Steps])
+
+
+def test_step_before_install_is_an_error() -> None:
+    model, _, _ = make_case("mlp")
+    with pytest.raises(HookStateError, match="before install_hook"):
+        Controller(model).step()
+
+
+def test_adaptive_level_in_a_plain_loop_warns_that_it_never_adapts() -> None:
+    model, x, y = make_case("mlp")
+    with Controller(model, GactConfig.from_level("L2", min_numel=0)) as controller:
+        with pytest.warns(GactWarning, match=r"adapts bit widths only in iterate\(closure\)"):
+            for _ in range(2):
+                make_closure(model, x, y)()
+                controller.step()
+    assert controller.stats()["adaptations"] == 0
+
+
+def test_iterate_then_step_counts_one_step() -> None:
+    model, x, y = make_case("mlp")
+    with Controller(model, GactConfig.from_level("L1")) as controller:
+        with pytest.warns(GactWarning, match="count every batch twice"):
+            for _ in range(3):
+                controller.iterate(make_closure(model, x, y))
+                controller.step()
+    assert controller.stats()["step"] == 3
+
+
+def test_without_step_calls_stats_describe_one_step() -> None:
+    model, x, y = make_case("mlp")
+    with Controller(model, GactConfig.from_level("L1")) as controller:
+        make_closure(model, x, y)()
+        one_step = controller.ledger.current and controller.stats()["original_bytes"]
+        for _ in range(4):
+            make_closure(model, x, y)()
+        make_closure(model, x, y)()  # its step is still open: stats show the one before
+    assert controller.stats()["original_bytes"] == one_step
+    assert controller.stats()["step"] == 5
+
+
+@pytest.mark.parametrize("level", ["L1", "L2"])
+def test_original_gact_loop_runs_each_forward_once(level: str) -> None:
+    """The original's benchmarks run forward, backward and optimizer.step() themselves, then
+    call iterate(backprop): the closure runs only for probes when an adaptation is due."""
+    model, x, y = make_case("mlp")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls = []
+
+    def backprop() -> None:
+        calls.append(1)
+        make_closure(model, x, y)()
+
+    with Controller(model, GactConfig.from_level(level, min_numel=0)) as controller:
+        for _ in range(3):
+            make_closure(model, x, y)()
+            optimizer.step()
+            assert controller.iterate(backprop) is None
+    probes = 1 + gact_policy.min_pair_probes(len(controller.plan.bits)) if level == "L2" else 0
+    assert len(calls) >= probes and (len(calls) == 0) == (level == "L1")
+    assert controller.stats()["step"] == 3
+    assert controller.stats()["adaptations"] == (1 if level == "L2" else 0)

@@ -6,16 +6,10 @@ import math
 
 import pytest
 import torch
-from conftest import grads_of, make_closure
 from gact import Controller, GactConfig
 from models import CASES, make_case
+from runtime_helpers import grads_of, make_closure, relative_error
 from torch import nn
-
-
-def _relative_error(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    num = math.sqrt(sum(float((x - y).pow(2).sum()) for x, y in zip(a, b)))
-    den = math.sqrt(sum(float(y.pow(2).sum()) for y in b))
-    return num / den
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -29,7 +23,7 @@ def test_eight_bits_is_close_to_fp32(case: str) -> None:
         with Controller(model, GactConfig.from_level(level)) as controller:
             controller.iterate(closure)
         assert controller.stats()["compressed_tensors"] >= 2
-        errors[level] = _relative_error(grads_of(model), reference)
+        errors[level] = relative_error(grads_of(model), reference)
     assert errors["L1.1"] < 0.02, errors
     assert errors["L1.1"] < errors["L1.2"]  # fewer bits, more noise: the test can tell
 

@@ -6,10 +6,10 @@ import gc
 import tracemalloc
 
 import torch
-from conftest import make_closure
 from gact import Controller, GactConfig
 from gact.saved import Saved
 from models import make_case
+from runtime_helpers import make_closure
 
 
 def test_no_memory_growth_over_500_steps() -> None:

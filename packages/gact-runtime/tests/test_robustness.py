@@ -6,11 +6,10 @@ import gc
 
 import torch
 import torch.nn.functional as F
-from conftest import grads_of, make_closure
 from gact import Controller, GactConfig
 from gact.saved import Saved
 from models import make_case
-from test_gradients import _relative_error
+from runtime_helpers import grads_of, make_closure, relative_error
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -66,7 +65,7 @@ def test_gradient_accumulation_matches_fp32() -> None:
         for i in range(2):
             F.cross_entropy(model(x[i::2]), y[i::2]).backward()
         controller.step()
-    assert _relative_error(grads_of(model), reference) < 0.02
+    assert relative_error(grads_of(model), reference) < 0.02
     records = controller.ledger.last
     assert records is not None and all(r.count % 2 == 0 for r in records.values())
     assert two_forwards["compressed_tensors"] == controller.stats()["compressed_tensors"]
@@ -98,7 +97,7 @@ def test_double_backward_through_compressed_tensors() -> None:
     with Controller(model, GactConfig.from_level("L1.1")) as controller:
         controller.iterate(gradient_penalty)
     assert controller.stats()["compressed_tensors"] > 0
-    assert _relative_error(grads_of(model), reference) < 0.02
+    assert relative_error(grads_of(model), reference) < 0.02
 
 
 class Checkpointed(nn.Module):
@@ -132,7 +131,7 @@ def test_checkpointing_inside_the_model() -> None:
             controller.iterate(closure)
         # 0.05, not 0.02: the first layer's gradient passes a ReLU whose backward thresholds the
         # quantized output, and outputs below one 8-bit step can round to zero
-        assert _relative_error(grads_of(model), reference) < 0.05, reentrant
+        assert relative_error(grads_of(model), reference) < 0.05, reentrant
 
 
 def test_forward_without_backward_frees_everything() -> None:

@@ -6,18 +6,21 @@ variance is minimal for a memory budget (``gact_policy``).
 
 Example::
 
-    >>> import gact
+    >>> import torch, gact
     >>> from gact.controller import Controller
+    >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU())
     >>> gact.set_optimization_level("L2")
     >>> controller = Controller(model)
     >>> controller.install_hook()
+    >>> model(torch.randn(8, 64)).sum().backward()
+    >>> controller.uninstall_hook()
 """
 
 from __future__ import annotations
 
 from .config import LEVELS, GactConfig, Level, get_config, set_optimization_level
 from .controller import Controller
-from .errors import ClosureError, ConfigError, GactError, HookStateError
+from .errors import ClosureError, ConfigError, GactError, GactWarning, HookStateError
 
 __all__ = [
     "LEVELS",
@@ -26,6 +29,7 @@ __all__ = [
     "Controller",
     "GactConfig",
     "GactError",
+    "GactWarning",
     "HookStateError",
     "Level",
     "get_config",

@@ -1,21 +1,11 @@
-"""Adaptive precision: sensitivity probes and bit allocation through ``gact_policy``.
-
-# NOTE [Probes leave no trace]
-# A probe is one extra run of the user's closure with chosen bits and seeds. Around all probes
-# of an adaptation, ``ProbeGuard`` keeps: the CPU and every initialised CUDA generator's state
-# (reset before every probe, so dropout draws the same masks in each, and restored after), every
-# buffer's value (BatchNorm running statistics and ``num_batches_tracked``), every module's
-# training flag, and the gradient tensors the user's closure produced (set aside, so probes
-# accumulate into fresh ``.grad`` tensors, and put back with their values). No optimizer is
-# involved. Under torch.distributed, rank 0's list of items is used by every rank, so all ranks
-# run the same number of probes (their all-reduces match) and allocate the same bits.
-# The ledger of the open step is swapped out while probing, so ``stats()`` never counts probes.
-"""
+"""Adaptive precision: sensitivity probes and bit allocation through ``gact_policy``."""
 
 from __future__ import annotations
 
 import logging
 import time
+import warnings
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import gact_policy
@@ -24,59 +14,55 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .errors import GactWarning
 from .ledger import Kind, Ledger, SiteRecord
 from .plan import BitPlan, ProbeOverride, mix_seed
+from .probes import GradientSketch, ProbeGuard
 from .saved import SaveHooks
 
-__all__ = ["Adapter", "ProbeGuard"]
+__all__ = ["Adapter", "Items"]
 
 logger = logging.getLogger("gact")
 
 
-class ProbeGuard:
-    """Context manager that snapshots what probes could change and restores it on exit.
+@dataclass(frozen=True)
+class Items:
+    """The tensors an adaptation allocates bits to, and what else the step stores.
 
     Args:
-        model: the model being probed.
+        keys: save-site keys of the items.
+        numel: elements per item (summed over the step's saves at that key).
+        full_bits: width of the item's dtype (its cost when kept at full precision).
+        overhead_bits: metadata plus exact decision masks per element of a quantized item.
+        fixed_bytes: bytes the step stores outside the items (kept tensors, masks, packs).
     """
 
-    def __init__(self, model: nn.Module) -> None:
-        self._model = model
+    keys: list[str]
+    numel: np.ndarray
+    full_bits: np.ndarray
+    overhead_bits: np.ndarray
+    fixed_bytes: int
 
-    def __enter__(self) -> ProbeGuard:
-        model = self._model
-        self._cpu_rng = torch.get_rng_state()
-        self._cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        # The user's gradient tensors are set aside and later refilled in place: under DDP with
-        # gradient_as_bucket_view=True they are views of the buckets that probes all-reduce into.
-        self._grads = [
-            (p, p.grad, None if p.grad is None else p.grad.detach().clone())
-            for p in model.parameters()
+    @classmethod
+    def of(cls, sites: dict[str, SiteRecord], metadata_bits: float) -> Items:
+        rows = [
+            (r.key, r.numel, torch.finfo(r.dtype).bits, r.mask_bits)
+            for r in sites.values()
+            if _quantizable(r)
         ]
-        self._buffers = [(b, b.detach().clone()) for b in model.buffers()]
-        self._modes = [(m, m.training) for m in model.modules()]
-        return self
-
-    def reset_rng(self) -> None:
-        torch.set_rng_state(self._cpu_rng)
-        if self._cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self._cuda_rng)
-
-    def clear_grads(self) -> None:
-        for p, _, _ in self._grads:
-            p.grad = None
-
-    def __exit__(self, *exc: object) -> None:
-        self.reset_rng()
-        with torch.no_grad():
-            for buf, value in self._buffers:
-                buf.copy_(value)
-            for p, grad, value in self._grads:
-                if grad is not None:
-                    grad.copy_(value)
-                p.grad = grad
-        for module, training in self._modes:
-            module.training = training
+        fixed = sum(
+            r.stored_bytes
+            for r in sites.values()
+            if r.kind is not Kind.PARAMETER and not _quantizable(r)
+        )
+        rows, fixed = _agreed((rows, fixed))
+        return cls(
+            keys=[row[0] for row in rows],
+            numel=np.array([row[1] for row in rows], dtype=np.int64),
+            full_bits=np.array([row[2] for row in rows], dtype=np.int64),
+            overhead_bits=metadata_bits + np.array([row[3] for row in rows], dtype=np.float64),
+            fixed_bytes=fixed,
+        )
 
 
 class Adapter:
@@ -94,6 +80,8 @@ class Adapter:
         self._hooks = hooks
         self.count = 0
         self.seconds = 0.0
+        self.probing = False
+        self._warned_budget = False
 
     def adapt(
         self,
@@ -108,22 +96,49 @@ class Adapter:
             sites: the open step's records; every quantizable key among them is an item.
             run_closure: runs a closure and checks that it ran a backward.
         """
-        items = _agreed([(r.key, r.numel, torch.finfo(r.dtype).bits) for r in sites.values()
-                         if _quantizable(r)])  # fmt: skip
-        if not items:
+        plan, cfg = self._plan, self._plan.config
+        items = Items.of(sites, cfg.overhead_bits)
+        if not items.keys:
             return
         start = time.perf_counter()
+        estimate = self._probe(items, closure, run_closure)
+        # keys seen for the first time start from their own estimate
+        previous = [plan.sensitivity.get(k, float(e)) for k, e in zip(items.keys, estimate)]
+        sensitivity = gact_policy.smooth(previous, estimate, cfg.sensitivity_momentum)
+        bits = self._allocate(items, sensitivity)
+        plan.bits = {k: int(b) for k, b in zip(items.keys, bits)}
+        plan.sensitivity = {k: float(c) for k, c in zip(items.keys, sensitivity)}
+        self.count += 1
+        self.seconds += time.perf_counter() - start
+        widths, counts = np.unique(np.where(bits > 8, 0, bits), return_counts=True)
+        per_width = (
+            f"{f'{w} bits' if w else 'full precision'}: {n}" for w, n in zip(widths, counts)
+        )
+        logger.info(
+            "GACT adaptation %d at step %d: %d tensors in %.3fs; tensors per width: %s",
+            self.count,
+            plan.step,
+            len(items.keys),
+            time.perf_counter() - start,
+            ", ".join(per_width),
+        )
+
+    def _probe(
+        self,
+        items: Items,
+        closure: Callable[[], Any],
+        run_closure: Callable[[Callable[[], Any]], Any],
+    ) -> np.ndarray:
+        """Run the probes (see NOTE [Probes leave no trace]) and estimate sensitivities."""
         plan, cfg = self._plan, self._plan.config
-        keys = [key for key, _, _ in items]
-        index = {k: i for i, k in enumerate(keys)}
-        numel = np.array([n for _, n, _ in items], dtype=np.int64)
-        full_bits = np.array([b for _, _, b in items], dtype=np.int64)
+        index = {k: i for i, k in enumerate(items.keys)}
         probe_bits = np.array(
-            [min(plan.bits.get(k, plan.default_bits), 8) for k in keys], dtype=np.int64
+            [min(plan.bits.get(k, plan.default_bits), 8) for k in items.keys], dtype=np.int64
         )
         fallback = mix_seed(cfg.seed, plan.step, 0xADA)
         ledger = self._hooks.ledger
-
+        sketch = GradientSketch(self._model, seed=mix_seed(cfg.seed, plan.step, 0x5CE))
+        self.probing = True
         with ProbeGuard(self._model) as guard:
 
             def grad(probe: gact_policy.ProbeConfig) -> np.ndarray:
@@ -132,36 +147,40 @@ class Adapter:
                 guard.clear_grads()
                 self._hooks.ledger = Ledger()
                 run_closure(closure)
-                return _flat_grad(self._model)
+                return sketch()
 
             try:
-                estimate = self._estimate(grad, probe_bits)
+                return self._estimate(grad, probe_bits)
             finally:
                 plan.probe = None
                 self._hooks.ledger = ledger
+                self.probing = False
 
-        # keys seen for the first time start from their own estimate
-        previous = [plan.sensitivity.get(k, float(e)) for k, e in zip(keys, estimate)]
-        sensitivity = gact_policy.smooth(previous, estimate, cfg.sensitivity_momentum)
-        assert cfg.avg_bits is not None
-        bits = gact_policy.allocate_bits(
-            sensitivity,
-            numel,
-            cfg.avg_bits,
-            full_bits=full_bits,
-            overhead_bits=cfg.overhead_bits,
-        )
-        plan.bits = {k: int(b) for k, b in zip(keys, bits)}
-        plan.sensitivity = {k: float(c) for k, c in zip(keys, sensitivity)}
-        self.count += 1
-        self.seconds += time.perf_counter() - start
-        logger.info(
-            "GACT adaptation %d at step %d: %d tensors, %.3fs, bits %s",
-            self.count,
-            plan.step,
-            len(keys),
-            time.perf_counter() - start,
-            np.bincount(np.minimum(bits, 9), minlength=10)[1:].tolist(),
+    def _allocate(self, items: Items, sensitivity: np.ndarray) -> np.ndarray:
+        """Widths minimising the predicted variance within the level's average or the
+        configuration's ``memory_budget`` (bytes, everything the step stores counted)."""
+        cfg = self._plan.config
+        costs = dict(full_bits=items.full_bits, overhead_bits=items.overhead_bits)
+        if cfg.memory_budget is None:
+            assert cfg.avg_bits is not None
+            return gact_policy.allocate_bits(sensitivity, items.numel, cfg.avg_bits, **costs)
+        # 16 bytes per item cover the rounding up of the last group's metadata and of the
+        # decision masks to whole bytes, which the per-element costs leave out
+        budget = cfg.memory_budget - items.fixed_bytes - 16 * len(items.keys)
+        smallest = np.ones(len(items.keys), dtype=np.int64)
+        if 8 * budget < gact_policy.storage_bits(items.numel, smallest, **costs):
+            if not self._warned_budget:
+                self._warned_budget = True
+                warnings.warn(
+                    f"memory_budget={cfg.memory_budget} bytes cannot hold the step's saved "
+                    f"tensors even at 1 bit each (the tensors that cannot be quantized alone "
+                    f"take {items.fixed_bytes} bytes); using 1 bit for every tensor",
+                    GactWarning,
+                    stacklevel=4,
+                )
+            return smallest
+        return gact_policy.allocate_bits(
+            sensitivity, items.numel, None, budget_bytes=budget, **costs
         )
 
     def _estimate(self, grad: Callable[[Any], np.ndarray], bits: np.ndarray) -> np.ndarray:
@@ -198,11 +217,11 @@ def _restricted(
     return sub_grad
 
 
-def _agreed(items: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
-    """Rank 0's items on every rank of an initialised process group; ``items`` otherwise."""
+def _agreed(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank of an initialised process group; ``value`` otherwise."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return items
-    box = [items]
+        return value
+    box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
@@ -212,12 +231,3 @@ def _quantizable(rec: SiteRecord) -> bool:
     return rec.kind is Kind.QUANTIZED or (
         rec.kind is Kind.KEPT and rec.bits is not None and rec.bits > 8
     )
-
-
-def _flat_grad(model: nn.Module) -> np.ndarray:
-    """All parameters' gradients as one float64 vector (zeros where a probe left none)."""
-    parts = [
-        (p.grad.detach() if p.grad is not None else torch.zeros_like(p)).to("cpu", torch.float64)
-        for p in model.parameters()
-    ]
-    return torch.cat([g.reshape(-1) for g in parts]).numpy()

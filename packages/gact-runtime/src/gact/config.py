@@ -8,8 +8,11 @@ that new controllers take; a live controller changes level with ``Controller.con
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass
 from typing import Any
+
+from gact_kernels import MAX_GROUP_SIZE
 
 from .errors import ConfigError
 
@@ -72,6 +75,9 @@ class GactConfig:
         sensitivity_momentum: weight of the previous estimate in the exponential moving average
             of sensitivities (``gact_policy.smooth``'s ``momentum``), in ``[0, 1)``.
         seed: base seed of the stochastic rounding streams.
+        memory_budget: adaptive levels only: bytes the saved tensors of one step may occupy,
+            everything counted (payloads, metadata, decision masks and the tensors kept as they
+            are); replaces the level's average bits. ``None`` uses the level's average.
 
     Example::
 
@@ -88,49 +94,49 @@ class GactConfig:
     num_probes: int | None = None
     sensitivity_momentum: float = 0.5
     seed: int = 0
+    memory_budget: int | None = None
 
     def __post_init__(self) -> None:
-        if self.level not in LEVELS:
+        if not isinstance(self.level, str) or self.level not in LEVELS:
             raise ConfigError(
                 f"unknown optimization level {self.level!r}; valid levels: {', '.join(LEVELS)}"
             )
-        if (
-            not isinstance(self.group_size, int)
-            or self.group_size % 8
-            or not 8 <= self.group_size <= 65536
-        ):
+        _check_int("group_size", self.group_size, 8, MAX_GROUP_SIZE)
+        if self.group_size % 8:
             raise ConfigError(
-                "group_size must be a multiple of 8 in [8, 65536] (gact_kernels' rule), "
-                f"got {self.group_size!r}"
+                f"group_size must be a multiple of 8 in [8, {MAX_GROUP_SIZE}] (gact_kernels' "
+                f"rule), got {self.group_size!r}"
             )
         avg = LEVELS[self.level].avg_bits
         if avg is not None and avg < 1 + self.overhead_bits:
-            smallest = next(g for g in range(8, 65537, 8) if 1 + 64 / g <= avg)
+            smallest = next(g for g in range(8, MAX_GROUP_SIZE + 1, 8) if 1 + 64 / g <= avg)
             raise ConfigError(
                 f"level {self.level} averages {avg} bits per element, metadata included, but "
                 f"group_size={self.group_size} already costs {self.overhead_bits} bits of "
                 f"metadata per element on top of at least 1 bit of data; use group_size >= "
                 f"{smallest} or a level with more bits"
             )
-        if not isinstance(self.min_numel, int) or self.min_numel < 0:
-            raise ConfigError(f"min_numel must be an int >= 0, got {self.min_numel!r}")
-        if not isinstance(self.adapt_interval, int) or self.adapt_interval < 1:
-            raise ConfigError(f"adapt_interval must be an int >= 1, got {self.adapt_interval!r}")
+        _check_int("min_numel", self.min_numel, 0)
+        _check_int("adapt_interval", self.adapt_interval, 1)
         if self.sensitivity_method not in _SENSITIVITY_METHODS:
             raise ConfigError(
                 f"sensitivity_method must be one of {_SENSITIVITY_METHODS}, "
                 f"got {self.sensitivity_method!r}"
             )
-        if self.num_probes is not None and (
-            not isinstance(self.num_probes, int) or self.num_probes < 2
-        ):
-            raise ConfigError(f"num_probes must be None or an int >= 2, got {self.num_probes!r}")
-        if not 0.0 <= self.sensitivity_momentum < 1.0:
-            raise ConfigError(
-                f"sensitivity_momentum must be in [0, 1), got {self.sensitivity_momentum!r}"
-            )
-        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
-            raise ConfigError(f"seed must be an int in [0, 2**64), got {self.seed!r}")
+        if self.num_probes is not None:
+            _check_int("num_probes", self.num_probes, 2, none_ok=True)
+        momentum = self.sensitivity_momentum
+        if not _is_real(momentum) or not 0.0 <= momentum < 1.0:
+            raise ConfigError(f"sensitivity_momentum must be a number in [0, 1), got {momentum!r}")
+        _check_int("seed", self.seed, 0, 2**64 - 1)
+        if self.memory_budget is not None:
+            _check_int("memory_budget", self.memory_budget, 1, none_ok=True)
+            if not self.spec.adaptive:
+                adaptive = ", ".join(name for name, lvl in LEVELS.items() if lvl.adaptive)
+                raise ConfigError(
+                    f"memory_budget needs an adaptive level ({adaptive}); level {self.level} "
+                    "stores every tensor at a fixed width"
+                )
 
     @classmethod
     def from_level(cls, level: str, **options: Any) -> GactConfig:
@@ -159,6 +165,22 @@ class GactConfig:
     def overhead_bits(self) -> float:
         """Per-element cost of the per-group metadata (two float32 per group)."""
         return 64.0 / self.group_size
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_int(
+    name: str, value: object, low: int, high: int | None = None, *, none_ok: bool = False
+) -> None:
+    """``value`` must be an int (not a bool) in ``[low, high]``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        what = "None or an int" if none_ok else "an int"
+        raise ConfigError(f"{name} must be {what}, got {type(value).__name__} {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ConfigError(f"{name} must be an int {bound}, got {value!r}")
 
 
 def _check_option_names(options: dict[str, Any]) -> None:

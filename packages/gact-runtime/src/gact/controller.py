@@ -1,19 +1,11 @@
-"""The ``Controller``: installs GACT's hooks on a model and drives adaptation.
-
-# NOTE [Steps]
-# A *step* is everything between two step boundaries: ``iterate`` ends one itself, and a plain
-# training loop calls ``controller.step()`` after ``optimizer.step()`` (like an LR scheduler).
-# Several forwards in one step (gradient accumulation) are accounted together. ``stats()`` and
-# ``report()`` describe the last completed step (the open one until a step completes). The
-# adaptive levels re-estimate sensitivities on the steps where ``step % adapt_interval == 0``;
-# that needs ``iterate``'s closure, so a plain loop at an adaptive level keeps its last
-# allocation (or the level's default width) until an ``iterate`` call adapts.
-"""
+"""The ``Controller``: installs GACT's hooks on a model and drives adaptation."""
 
 from __future__ import annotations
 
-import logging
+import threading
 import time
+import warnings
+import weakref
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -21,25 +13,41 @@ from torch import nn
 
 from .adapt import Adapter
 from .config import GactConfig, get_config
-from .errors import ClosureError, HookStateError
+from .errors import ClosureError, GactWarning, HookStateError
 from .ledger import Ledger
 from .params import ParameterFilter
 from .plan import BitPlan
-from .saved import SaveHooks
+from .saved import SaveHooks, installed_hooks
 from .scope import ScopeTracker
 from .swap import Swapper
 
 __all__ = ["Controller"]
+
+T = TypeVar("T")
+_INSTALLED: weakref.WeakSet[Controller] = weakref.WeakSet()
+
+# NOTE [Steps]
+# A *step* is one optimizer step: everything between two step boundaries. Several forwards in one
+# step (gradient accumulation) are accounted together; ``stats()`` and ``report()`` describe the
+# last completed step. Boundaries come from one of three sources:
+# - ``iterate(closure)`` ends the step it runs. If the open step already ran a forward and a
+#   backward through the hooks (the original GACT's loop: the user's own forward, backward and
+#   ``optimizer.step()``, then ``iterate(backprop)``), the closure is not run again: ``iterate``
+#   only ends the step, running the closure for probes when an adaptation is due.
+# - ``step()``, called by a plain loop after ``optimizer.step()``, like an LR scheduler. A
+#   ``step()`` right after ``iterate()`` with nothing saved in between is ignored (with a warning):
+#   it would count one batch as two steps.
+# - Neither: until the first ``step()`` or ``iterate()``, a root forward that starts after a
+#   backward ends the open step automatically, so ``stats()`` never sums up a whole run.
+# Adaptive levels re-estimate sensitivities on the steps where ``step % adapt_interval == 0``
+# (the first included). That needs a closure to run probes, so only ``iterate`` adapts; a plain
+# loop at an adaptive level keeps the level's default width and is warned once.
 
 
 def _top_saved_tensors_hooks() -> tuple[Callable, Callable] | None:
     """The innermost saved-tensor hooks pair, or ``None`` where torch cannot tell (< 2.4)."""
     getter = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     return None if getter is None else getter(False)
-
-
-logger = logging.getLogger("gact")
-T = TypeVar("T")
 
 
 class Controller:
@@ -52,22 +60,24 @@ class Controller:
 
     Example::
 
-        >>> gact.set_optimization_level("L2")
-        >>> controller = Controller(model)
-        >>> controller.install_hook()
-        >>> for x, y in loader:
-        ...     def closure():
-        ...         model.train()
-        ...         loss = loss_fn(model(x), y)
-        ...         optimizer.zero_grad()
-        ...         loss.backward()
-        ...         return loss
-        ...     controller.iterate(closure)
-        ...     optimizer.step()
-        >>> controller.uninstall_hook()
-
-    Fixed-bit levels need no closure: ``with controller:`` around a plain loop that calls
-    ``controller.step()`` after each optimizer step.
+        >>> import torch, torch.nn.functional as F
+        >>> from gact import Controller, GactConfig
+        >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),
+        ...                             torch.nn.Linear(64, 4))
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> x, y = torch.randn(32, 64), torch.randint(0, 4, (32,))
+        >>> controller = Controller(model, GactConfig.from_level("L2", min_numel=0))
+        >>> with controller:
+        ...     for _ in range(3):
+        ...         def closure():
+        ...             loss = F.cross_entropy(model(x), y)
+        ...             optimizer.zero_grad()
+        ...             loss.backward()
+        ...             return loss
+        ...         loss = controller.iterate(closure)
+        ...         optimizer.step()
+        >>> controller.stats()["ratio"] > 1
+        True
     """
 
     def __init__(self, model: nn.Module, config: GactConfig | None = None) -> None:
@@ -85,18 +95,22 @@ class Controller:
         self.model = model
         self.plan = BitPlan(config if config is not None else get_config())
         self.ledger = Ledger()
-        self.parameters = ParameterFilter(model)
+        self.parameter_filter = ParameterFilter(model)
         self.tracker = ScopeTracker(model, on_root_forward=self._on_root_forward)
         self.hooks = SaveHooks(
-            self.plan, self.tracker, self.parameters, self.ledger, self._make_swapper()
+            self.plan, self.tracker, self.parameter_filter, self.ledger, self._make_swapper()
         )
         self.adapter = Adapter(model, self.plan, self.hooks)
         self._context: torch.autograd.graph.saved_tensors_hooks | None = None
-        self._seconds = 0.0
-
-    def _on_root_forward(self) -> None:
-        self.parameters.refresh()  # follows model.to(...)
-        self.hooks.live.clear()
+        self._thread: int | None = None
+        self._ever_installed = False
+        self._explicit_steps = False  # step() or iterate() was called: no automatic steps
+        self._last_boundary = "none"
+        self._unpacked_at_forward = 0
+        self._unpacked_at_boundary = 0
+        self._step_started = time.perf_counter()
+        self._step_seconds = 0.0
+        self._warned: set[str] = set()
 
     # ----------------------------------------------------------------- configuration
     @property
@@ -125,25 +139,50 @@ class Controller:
     def _make_swapper(self) -> Swapper | None:
         return Swapper() if self.config.spec.swap else None
 
+    def _warn_once(self, topic: str, message: str) -> None:
+        if topic not in self._warned:
+            self._warned.add(topic)
+            warnings.warn(message, GactWarning, stacklevel=3)
+
     # ----------------------------------------------------------------- hooks
     @property
     def installed(self) -> bool:
         return self._context is not None
 
     def install_hook(self) -> None:
-        """Start compressing: push GACT's saved-tensor hooks (thread-local, like torch's)."""
+        """Start compressing: push GACT's saved-tensor hooks on this thread (like torch's hooks,
+        they are thread-local: install on the thread that runs forward and backward).
+
+        Raises:
+            HookStateError: if already installed, or another installed controller has this model.
+        """
         if self._context is not None:
             raise HookStateError("install_hook() was called twice; call uninstall_hook() first")
-        self.parameters.refresh()
+        for other in _INSTALLED:
+            if other.model is self.model:
+                raise HookStateError(
+                    "another Controller is already installed on this model; uninstall it "
+                    "first (one model, one controller; nested models may have one each)"
+                )
+        self.parameter_filter.refresh()
         self.tracker.attach()
         context = torch.autograd.graph.saved_tensors_hooks(self.hooks.pack, self.hooks.unpack)
         context.__enter__()
         self._context = context
+        self._thread = threading.get_ident()
+        self._ever_installed = True
+        installed_hooks().append(self.hooks)
+        _INSTALLED.add(self)
 
     def uninstall_hook(self) -> None:
         """Stop compressing. Tensors saved so far stay compressed and still unpack correctly."""
         if self._context is None:
             raise HookStateError("uninstall_hook() called but the hooks are not installed")
+        if threading.get_ident() != self._thread:
+            raise HookStateError(
+                "uninstall_hook() must run on the thread that called install_hook() "
+                "(saved-tensor hooks are thread-local)"
+            )
         top = _top_saved_tensors_hooks()
         if top is not None and top[0] != self.hooks.pack:
             raise HookStateError(
@@ -152,6 +191,8 @@ class Controller:
             )
         self._context.__exit__(None, None, None)
         self._context = None
+        installed_hooks().remove(self.hooks)
+        _INSTALLED.discard(self)
         self.tracker.detach()
 
     def __enter__(self) -> Controller:
@@ -161,35 +202,69 @@ class Controller:
     def __exit__(self, *exc: object) -> None:
         self.uninstall_hook()
 
+    def _on_root_forward(self) -> None:
+        self.parameter_filter.refresh()  # follows model.to(...)
+        self.hooks.live.clear()
+        if (
+            self.installed
+            and torch.is_grad_enabled()
+            and self.hooks not in installed_hooks()
+            and self.adapter.probing is False
+        ):
+            self._warn_once(
+                "thread",
+                "the model's forward runs on a thread where this Controller's hooks are not "
+                "installed, so nothing it saves is compressed; saved-tensor hooks are "
+                "thread-local: call install_hook() (or enter `with controller:`) on the thread "
+                "that trains",
+            )
+        if (
+            not self._explicit_steps
+            and self.ledger.current
+            and self.hooks.unpacked > self._unpacked_at_forward
+        ):
+            self._end_step("auto")
+        self._unpacked_at_forward = self.hooks.unpacked
+
     # ----------------------------------------------------------------- training
     def iterate(
         self, closure: Callable[[], T], *, probe_closure: Callable[[], Any] | None = None
-    ) -> T:
+    ) -> T | None:
         """Run one training step's forward and backward, adapting bits when due.
 
         Args:
-            closure: runs forward, loss, ``optimizer.zero_grad()`` and ``loss.backward()``.
+            closure: runs forward, loss, ``optimizer.zero_grad()`` and ``loss.backward()``, and
+                returns what the caller wants back (usually the loss). It must not call
+                ``optimizer.step()``: probes run it again.
             probe_closure: the same on a sub-batch, used for sensitivity probes (default:
                 ``closure``). Probes restore RNG states, buffers, gradients and module modes.
 
         Returns:
-            What ``closure`` returned.
+            What ``closure`` returned; ``None`` if the step's forward and backward had already
+            run (the original GACT's loop, see NOTE [Steps]) and the closure was not run.
         """
         if self._context is None:
             raise HookStateError("iterate() called before install_hook()")
-        start = time.perf_counter()
+        self._explicit_steps = True
+        ran_backward = self.ledger.current and self.hooks.unpacked > self._unpacked_at_boundary
+        result = None
+        if not ran_backward:
+            try:
+                result = self.run_closure(closure)
+            except BaseException:
+                self.ledger.discard()
+                raise
         try:
-            result = self.run_closure(closure)
-        except BaseException:
-            self.ledger.discard()
-            raise
-        try:
-            if self.config.spec.adaptive and self.plan.step % self.config.adapt_interval == 0:
+            if self.adaptation_due:
                 self.adapter.adapt(probe_closure or closure, self.ledger.current, self.run_closure)
         finally:  # a failed adaptation still ends the step the real closure completed
-            self._seconds += time.perf_counter() - start
-            self.step()
+            self._end_step("iterate")
         return result
+
+    @property
+    def adaptation_due(self) -> bool:
+        """Whether the open step is one on which an adaptive level re-estimates sensitivities."""
+        return self.config.spec.adaptive and self.plan.step % self.config.adapt_interval == 0
 
     def run_closure(self, closure: Callable[[], T]) -> T:
         """Run ``closure`` and check that it ran a backward pass through the hooks."""
@@ -211,27 +286,71 @@ class Controller:
         return result
 
     def step(self) -> None:
-        """Close the current step (``iterate`` calls this; plain loops call it per step)."""
+        """End the current step (see NOTE [Steps]); call it after ``optimizer.step()``.
+
+        Raises:
+            HookStateError: if the hooks were never installed.
+        """
+        if not self._ever_installed:
+            raise HookStateError(
+                "step() called before install_hook(): install the hooks (or enter `with "
+                "controller:`) before training, then call step() after each optimizer step"
+            )
+        self._explicit_steps = True
+        if self._last_boundary == "iterate" and not self.ledger.current:
+            self._warn_once(
+                "double step",
+                "step() right after iterate() ignored: iterate() already ends the step, so "
+                "calling both would count every batch twice; call one of them per batch",
+            )
+            return
+        if self.adaptation_due and self.ledger.current:
+            self._warn_once(
+                "no adaptation",
+                f"level {self.config.level} adapts bit widths only in iterate(closure), on "
+                f"every {self.config.adapt_interval}th step (the first included); this loop "
+                f"calls step() instead, so every tensor keeps {self.plan.default_bits} bits. "
+                "Call controller.iterate(closure) on those steps (see Controller.iterate)",
+            )
+        self._end_step("step")
+
+    def _end_step(self, boundary: str) -> None:
+        if boundary == "auto" and self.adaptation_due:
+            self._warn_once(
+                "no adaptation",
+                f"level {self.config.level} adapts bit widths only in iterate(closure); this "
+                f"loop never calls it, so every tensor keeps {self.plan.default_bits} bits",
+            )
+        now = time.perf_counter()
+        self._step_seconds += now - self._step_started
+        self._step_started = now
         self.ledger.close()
         self.plan.step += 1
+        self._last_boundary = boundary
+        self._unpacked_at_boundary = self.hooks.unpacked
         if self.hooks.swapper is not None:
             self.hooks.swapper.new_step()
 
     # ----------------------------------------------------------------- reports
     def stats(self) -> dict[str, Any]:
-        """Accounting of the last completed step.
+        """Accounting of the last completed step (see NOTE [Steps]).
 
         Returns:
-            ``original_bytes`` (saved activations uncompressed), ``stored_bytes`` (held,
-            metadata included), ``ratio``, ``compressed_tensors``, ``skipped_tensors``,
-            ``parameter_saves``, ``deduplicated_saves``, ``average_bits``, ``sites``, ``level``,
-            ``step``, ``adaptations`` and ``adaptation_overhead`` (time spent adapting divided by
-            the rest of ``iterate``'s time).
+            ``original_bytes`` (saved activations as autograd would hold them), ``stored_bytes``
+            (what GACT holds: payloads, metadata, decision masks and kept tensors), ``ratio``,
+            ``compressed_tensors``, ``skipped_tensors`` (kept as they are inside the model),
+            ``outside_tensors`` (saved outside the model's forward, kept), ``parameter_saves``,
+            ``deduplicated_saves``, ``decision_mask_bytes``, ``average_bits`` (code bits per
+            quantized element), ``sites``, ``level``, ``memory_budget`` (bytes, or ``None``),
+            ``step``, ``adaptations`` and
+            ``adaptation_overhead``: seconds spent adapting divided by all other seconds between
+            step boundaries (0.05: adapting made training 5% slower).
         """
         out = self.ledger.stats()
-        training = self._seconds - self.adapter.seconds
+        training = self._step_seconds - self.adapter.seconds
         out.update(
             level=self.config.level,
+            memory_budget=self.config.memory_budget,
             step=self.plan.step,
             adaptations=self.adapter.count,
             adaptation_overhead=self.adapter.seconds / training if training > 0 else 0.0,

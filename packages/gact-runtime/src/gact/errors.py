@@ -6,7 +6,7 @@ so that callers validating user input can catch the standard type.
 
 from __future__ import annotations
 
-__all__ = ["ClosureError", "ConfigError", "GactError", "HookStateError"]
+__all__ = ["ClosureError", "ConfigError", "GactError", "GactWarning", "HookStateError"]
 
 
 class GactError(RuntimeError):
@@ -23,3 +23,7 @@ class HookStateError(GactError):
 
 class ClosureError(GactError):
     """The closure given to ``Controller.iterate`` did not do what GACT needs (e.g. no backward)."""
+
+
+class GactWarning(UserWarning):
+    """A usage that works but probably not as intended (each is issued once per controller)."""

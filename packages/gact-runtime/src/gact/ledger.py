@@ -1,8 +1,4 @@
-"""Per-step accounting of saved tensors: ``Controller.stats()`` and ``Controller.report()``.
-
-Records are aggregated per save-site key, so the ledger's size is bounded by the number of
-distinct keys, never by the number of steps or forwards (see NOTE [Save-site keys]).
-"""
+"""Per-step accounting of saved tensors: ``Controller.stats()`` and ``Controller.report()``."""
 
 from __future__ import annotations
 
@@ -13,7 +9,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["Kind", "Ledger", "SiteRecord"]
+__all__ = ["Kind", "Ledger", "SiteRecord", "occupied_bytes"]
+
+# NOTE [Ledger]
+# Records are aggregated per save-site key, so the ledger's size is bounded by the number of
+# distinct keys, never by the number of steps or forwards (see NOTE [Save-site keys]). Bytes are
+# what a tensor really occupies: indices and values of sparse layouts, and the storage of a view
+# that repeats its elements (an ``expand``-ed tensor holds its storage, not ``numel`` elements).
 
 
 class Kind(str, enum.Enum):
@@ -21,8 +23,27 @@ class Kind(str, enum.Enum):
 
     QUANTIZED = "quantized"  # per-group stochastic rounding (gact_kernels.quantize)
     MASK = "mask"  # bool mask packed losslessly at 1 bit per element
+    PACKED = "packed"  # integer tensor packed losslessly in the bits its range needs
     KEPT = "kept"  # stored as it is (small, integer, float64, level L0, or full precision)
+    OUTSIDE = "outside"  # saved outside the model's forward (e.g. the loss): kept as it is
     PARAMETER = "parameter"  # a parameter or buffer: not an activation, never compressed
+
+
+def occupied_bytes(tensor: torch.Tensor) -> int:
+    """Bytes ``tensor`` occupies (see NOTE [Ledger])."""
+    layout = tensor.layout
+    if layout is torch.sparse_coo:
+        return occupied_bytes(tensor._indices()) + occupied_bytes(tensor._values())
+    if layout in (torch.sparse_csr, torch.sparse_bsr):
+        parts = (tensor.crow_indices(), tensor.col_indices(), tensor.values())
+        return sum(occupied_bytes(p) for p in parts)
+    if layout in (torch.sparse_csc, torch.sparse_bsc):
+        parts = (tensor.ccol_indices(), tensor.row_indices(), tensor.values())
+        return sum(occupied_bytes(p) for p in parts)
+    dense = tensor.numel() * tensor.element_size()
+    if layout is not torch.strided or tensor.device.type == "meta":
+        return dense
+    return min(dense, tensor.untyped_storage().nbytes())
 
 
 @dataclass
@@ -38,6 +59,8 @@ class SiteRecord:
     numel: int = 0
     original_bytes: int = 0
     stored_bytes: int = 0
+    mask_bits: int = 0  # exact decision masks per element (NOTE [Exact decisions])
+    mask_bytes: int = 0
 
 
 @dataclass
@@ -64,12 +87,21 @@ class Ledger:
             if prior is not None:  # the same site changed treatment within a step: keep totals
                 rec.count, rec.numel = prior.count, prior.numel
                 rec.original_bytes, rec.stored_bytes = prior.original_bytes, prior.stored_bytes
+                rec.mask_bits, rec.mask_bytes = prior.mask_bits, prior.mask_bytes
             self.current[key] = rec
         rec.shape = tuple(tensor.shape)
         rec.count += 1
         rec.numel += tensor.numel()
-        rec.original_bytes += tensor.numel() * tensor.element_size()
+        rec.original_bytes += occupied_bytes(tensor)
         rec.stored_bytes += stored_bytes
+
+    def add_decision(self, key: str, nbytes: int, mask_bits: int) -> None:
+        """Count ``nbytes`` of exact decision masks for ``key`` (``mask_bits`` per element)."""
+        rec = self.current.get(key)
+        if rec is not None:
+            rec.stored_bytes += nbytes
+            rec.mask_bytes += nbytes
+            rec.mask_bits = max(rec.mask_bits, mask_bits)
 
     def occurrences(self, key: str) -> int:
         """How many tensors were saved at ``key`` so far in the open step."""
@@ -99,7 +131,7 @@ class Ledger:
         activations = [r for r in records.values() if r.kind is not Kind.PARAMETER]
         original = sum(r.original_bytes for r in activations)
         stored = sum(r.stored_bytes for r in activations)
-        compressed = [r for r in activations if r.kind in (Kind.QUANTIZED, Kind.MASK)]
+        compressed = [r for r in activations if r.kind in (Kind.QUANTIZED, Kind.MASK, Kind.PACKED)]
         quantized_numel = sum(r.numel for r in records.values() if r.kind is Kind.QUANTIZED)
         quantized_bits = sum(
             r.numel * r.bits for r in records.values() if r.kind is Kind.QUANTIZED and r.bits
@@ -110,6 +142,8 @@ class Ledger:
             "ratio": original / stored if stored else (math.inf if original else 1.0),
             "compressed_tensors": sum(r.count for r in compressed),
             "skipped_tensors": sum(r.count for r in activations if r.kind is Kind.KEPT),
+            "outside_tensors": sum(r.count for r in activations if r.kind is Kind.OUTSIDE),
+            "decision_mask_bytes": sum(r.mask_bytes for r in activations),
             "parameter_saves": sum(r.count for r in records.values() if r.kind is Kind.PARAMETER),
             "deduplicated_saves": dedup,
             "average_bits": quantized_bits / quantized_numel if quantized_numel else None,

@@ -1,18 +1,4 @@
-"""Recognising parameters and buffers among saved tensors.
-
-Parameters and buffers are state, not activations: they are never compressed. They are
-recognised three ways, so that ``model.to(...)`` and autocast cannot fool the check:
-
-- the tensor is an ``nn.Parameter`` or one of the model's parameters;
-- its storage is the storage of one of the model's parameters or buffers (views such as
-  ``weight.t()``, BatchNorm running statistics); the storage set is refreshed at every root
-  forward, so it follows ``model.to(device)``;
-- its autograd history leads, through casts and views only, to a parameter's ``AccumulateGrad``
-  (the weight copies that autocast makes).
-
-A frozen parameter (``requires_grad=False``) cast by autocast has no history and is not
-recognised; it is then compressed like an activation. This is documented in the README.
-"""
+"""Recognising parameters and buffers among saved tensors."""
 
 from __future__ import annotations
 
@@ -22,6 +8,19 @@ import torch
 from torch import nn
 
 __all__ = ["ParameterFilter"]
+
+# NOTE [Parameters are state]
+# Parameters and buffers are state, not activations: they are never compressed. They are
+# recognised three ways, so that ``model.to(...)`` and autocast cannot fool the check:
+# - the tensor is an ``nn.Parameter`` (of any model) or one of the model's parameters or
+#   buffers (sparse buffers included);
+# - its storage is the storage of one of the model's parameters or buffers (views such as
+#   ``weight.t()``, BatchNorm running statistics); the storage set is refreshed at every root
+#   forward, so it follows ``model.to(device)``;
+# - its autograd history leads, through casts and views only, to the ``AccumulateGrad`` of an
+#   ``nn.Parameter`` (the weight copies that autocast makes), of this model or any other.
+# A frozen parameter (``requires_grad=False``) cast by autocast has no history and is not
+# recognised; it is then compressed like an activation. This is documented in the README.
 
 # Autograd nodes that neither compute nor mix values: a cast or a view of their input.
 _CAST_OR_VIEW = frozenset(
@@ -53,26 +52,22 @@ class ParameterFilter:
 
     def __init__(self, model: nn.Module) -> None:
         self._model = model
-        self._param_ids: frozenset[int] = frozenset()
+        self._state_ids: frozenset[int] = frozenset()
         self._storages: frozenset[int] = frozenset()
         self.refresh()
 
     def refresh(self) -> None:
         """Re-read the model's parameters and buffers (call after ``model.to``)."""
         params = list(self._model.parameters())
-        self._param_ids = frozenset(id(p) for p in params)
+        self._state_ids = frozenset(id(t) for t in itertools.chain(params, self._model.buffers()))
         self._storages = frozenset(
             ptr
             for t in itertools.chain(params, self._model.buffers())
             if t.layout is torch.strided and (ptr := t.untyped_storage().data_ptr()) != 0
         )
 
-    @property
-    def num_parameters(self) -> int:
-        return len(self._param_ids)
-
     def __call__(self, tensor: torch.Tensor) -> bool:
-        if isinstance(tensor, nn.Parameter) or id(tensor) in self._param_ids:
+        if isinstance(tensor, nn.Parameter) or id(tensor) in self._state_ids:
             return True
         if tensor.layout is torch.strided and tensor.untyped_storage().data_ptr() in self._storages:
             return True
@@ -82,7 +77,8 @@ class ParameterFilter:
                 return False
             name = type(node).__name__
             if name == "AccumulateGrad":
-                return id(node.variable) in self._param_ids
+                variable = node.variable
+                return isinstance(variable, nn.Parameter) or id(variable) in self._state_ids
             if name not in _CAST_OR_VIEW:
                 return False
             parents = [fn for fn, _ in node.next_functions if fn is not None]

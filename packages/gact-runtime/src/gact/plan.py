@@ -65,6 +65,9 @@ class BitPlan:
         self.bits: dict[str, int] = {}
         self.sensitivity: dict[str, float] = {}
         self.probe: ProbeOverride | None = None
+        # keys whose tensor fed a decision this runtime could not keep exact (see
+        # NOTE [Exact decisions]): kept at full precision from then on
+        self.exact_keys: set[str] = set()
         self._hashes: dict[str, int] = {}
 
     @property

@@ -1,50 +1,171 @@
-"""The saved-tensor hooks: what is compressed, how, and what autograd holds.
-
-# NOTE [What autograd holds]
-# ``pack`` returns either the tensor itself (parameters, buffers, small, integer or float64
-# tensors, level L0, keys kept at full precision) or a ``Saved`` object that owns the compressed
-# payload. Autograd keeps that object alive exactly as long as it would have kept the tensor, so
-# there is no side table, no reference count and nothing to leak when a backward never runs:
-# the graph's death frees the payload. ``unpack`` never consumes the payload, so a second
-# backward (``retain_graph=True``) works. A tensor saved by several ops (same object, same
-# version) is stored and counted once, whatever the level: a weak table maps live tensors to
-# what their first save returned.
-"""
+"""The saved-tensor hooks: what is compressed, how, and what autograd holds."""
 
 from __future__ import annotations
 
+import threading
+import warnings
 import weakref
+from collections.abc import Sequence
 
 import gact_kernels
 import torch
+from torch import nn
 
-from .ledger import Kind, Ledger
+from . import decisions
+from .decisions import DECISION_NODES, Decision, DecisionSpec
+from .errors import GactWarning
+from .ledger import Kind, Ledger, occupied_bytes
 from .params import ParameterFilter
 from .plan import BitPlan
 from .scope import ScopeTracker
-from .swap import Payload, Swapper
+from .swap import Swapper, Ticket
 
-__all__ = ["SaveHooks", "Saved"]
+__all__ = ["SaveHooks", "Saved", "SavedCompressed", "SavedKept", "installed_hooks"]
 
-_QUANTIZABLE = (torch.float32, torch.float16, torch.bfloat16)
 _PARAM_KEY = "<parameters>"  # ledger key of every parameter/buffer save
+
+# NOTE [What autograd holds]
+# ``pack`` returns a ``Saved``: ``SavedKept`` holds the tensor itself (parameters, buffers, small,
+# integer or float64 tensors, level L0, keys kept at full precision, saves outside the model's
+# forward); ``SavedCompressed`` owns the compressed payload. Autograd keeps that object alive
+# exactly as long as it would have kept the tensor, so there is no side table, no reference count
+# and nothing to leak when a backward never runs: the graph's death frees the payload. ``unpack``
+# never consumes the payload, so a second backward (``retain_graph=True``) works. A tensor saved
+# by several ops (same object, same version, same forward) is stored and counted once, whatever
+# the level: a weak table maps live tensors to what their first save returned.
+#
+# NOTE [Version check]
+# With saved-tensor hooks installed autograd no longer checks that a saved tensor was not
+# modified in place before backward; the hooks do it. Every ``Saved`` records the tensor's
+# ``_version`` at pack and compares at unpack, raising PyTorch's own message on a mismatch.
+# ``SavedKept`` reads the version of the tensor it holds (or of its ``detach()``-ed alias: same
+# version counter). ``SavedCompressed`` must not hold the original's storage, so it holds a
+# *version witness*: a ``detach()``-ed alias whose storage is then released with ``set_()``. It
+# shares the original's version counter (in-place changes through any view or alias show) and
+# outlives the original. ``set_()`` itself bumps the shared counter, so the witness puts the
+# value back with ``torch._C._autograd._unsafe_set_version_counter`` (what
+# ``torch.autograd.graph._unsafe_preserve_version_counter`` does).
+
+
+def _version_witness(tensor: torch.Tensor) -> torch.Tensor:
+    """An empty tensor sharing ``tensor``'s version counter (see NOTE [Version check])."""
+    version = tensor._version
+    witness = tensor.detach()
+    witness.set_()
+    torch._C._autograd._unsafe_set_version_counter((witness,), (version,))
+    return witness
+
+
+def _describe(dtype: torch.dtype, device: torch.device, shape: Sequence[int]) -> str:
+    """``[torch.FloatTensor [16, 256]]``, as PyTorch names tensors in its messages."""
+    name = torch.empty((), dtype=dtype).type().replace("torch.", f"torch.{device.type}.")
+    return f"[{name.replace('torch.cpu.', 'torch.')} [{', '.join(map(str, shape))}]]"
 
 
 class Saved:
-    """A compressed saved tensor, as held by autograd."""
+    """What autograd holds for one saved tensor; ``unpack`` gives the tensor back."""
 
-    __slots__ = ("__weakref__", "payload", "swapper", "ticket")
+    __slots__ = ("__weakref__", "key", "node", "output_nr", "version")
 
-    def __init__(self, payload: Payload, swapper: Swapper | None) -> None:
-        self.payload = payload
-        self.swapper = swapper
-        self.ticket = swapper.offload(self) if swapper is not None else None
+    def __init__(self, tensor: torch.Tensor, key: str) -> None:
+        self.key = key
+        self.version = tensor._version
+        self.node = None if tensor.grad_fn is None else type(tensor.grad_fn)
+        self.output_nr = tensor.output_nr
 
-    def restore(self) -> torch.Tensor:
-        payload = self.payload if self.swapper is None else self.swapper.fetch(self)
-        if isinstance(payload, gact_kernels.PackedMask):
-            return gact_kernels.unpack_mask(payload)
-        return gact_kernels.dequantize(payload)
+    def unpack(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _describe(self) -> str:
+        raise NotImplementedError
+
+    def _check(self, tensor: torch.Tensor) -> None:
+        """Raise PyTorch's message (so searches find it) if ``tensor`` changed since pack."""
+        if tensor._version == self.version:
+            return
+        what = self._describe()
+        if self.node is not None:
+            what += f", which is output {self.output_nr} of {self.node.__name__},"
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: {what} is at version {tensor._version}; expected version "
+            f"{self.version} instead. Hint: GACT saved it at {self.key!r} (saved-tensor hooks "
+            "switch PyTorch's own check off, so GACT checks); enable anomaly detection to find "
+            "the operation that failed to compute its gradient, with "
+            "torch.autograd.set_detect_anomaly(True)."
+        )
+
+
+class SavedKept(Saved):
+    """A saved tensor held as it is.
+
+    A non-leaf is held through ``detach()`` (same storage, same version counter): an op's own
+    output holds its ``grad_fn``, which holds this object, and that cycle runs through C++
+    where Python's collector cannot break it. Autograd restores the history at unpack.
+    """
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor, key: str) -> None:
+        super().__init__(tensor, key)
+        self.tensor = tensor if tensor.grad_fn is None else tensor.detach()
+
+    def _describe(self) -> str:
+        return _describe(self.tensor.dtype, self.tensor.device, self.tensor.shape)
+
+    def unpack(self) -> torch.Tensor:
+        self._check(self.tensor)
+        return self.tensor
+
+
+class SavedCompressed(Saved):
+    """A compressed saved tensor: a ``gact_kernels.Compressed`` payload (or its swap ticket) and
+    the exact decisions of the backward functions that branch on it (see NOTE [Exact decisions]
+    in decisions.py)."""
+
+    __slots__ = ("decision", "hooks", "payload", "ticket", "witness")
+
+    def __init__(
+        self, tensor: torch.Tensor, key: str, payload: gact_kernels.Compressed, hooks: SaveHooks
+    ) -> None:
+        super().__init__(tensor, key)
+        self.witness = _version_witness(tensor)
+        self.hooks = hooks
+        self.decision: Decision | None = None
+        swapper = hooks.swapper
+        self.ticket: Ticket | None = None if swapper is None else swapper.offload(payload)
+        self.payload = payload if self.ticket is None else None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the payload (wherever it waits) and the decision masks."""
+        payload = self.payload if self.ticket is None else self.ticket.payload
+        return payload.nbytes + (0 if self.decision is None else self.decision.nbytes)
+
+    def decide(self, tensor: torch.Tensor, spec: DecisionSpec) -> int:
+        """Record the exact outcomes of ``spec``'s comparisons; returns the bytes added."""
+        if self.decision is None:
+            self.decision = Decision(tensor, spec)
+            return self.decision.nbytes
+        return self.decision.extend(tensor, spec)
+
+    def _describe(self) -> str:
+        p = self.payload if self.ticket is None else self.ticket.payload
+        return _describe(p.dtype, self.witness.device, p.shape)
+
+    def unpack(self) -> torch.Tensor:
+        self._check(self.witness)
+        payload = self.payload if self.ticket is None else self.hooks.swapper.fetch(self.ticket)
+        values = gact_kernels.decompress(payload)
+        node = torch._C._current_autograd_node()
+        if node is None or not isinstance(payload, gact_kernels.QuantizedTensor):
+            return values
+        name = type(node).__name__
+        if self.decision is not None and name in self.decision.consumers:
+            return self.decision.project(values)
+        if decisions.node_family(node) in DECISION_NODES:
+            self.hooks.missed_decision(self.key, name)
+        return values
 
 
 class _LiveTable:
@@ -54,7 +175,7 @@ class _LiveTable:
     def __init__(self) -> None:
         self._entries: dict[int, tuple[weakref.ref, int, weakref.ref, int]] = {}
 
-    def get(self, tensor: torch.Tensor, forward: int) -> torch.Tensor | Saved | None:
+    def get(self, tensor: torch.Tensor, forward: int) -> Saved | None:
         entry = self._entries.get(id(tensor))
         if (
             entry is None
@@ -65,7 +186,7 @@ class _LiveTable:
             return None
         return entry[2]()
 
-    def add(self, tensor: torch.Tensor, saved: torch.Tensor | Saved, forward: int) -> None:
+    def add(self, tensor: torch.Tensor, saved: Saved, forward: int) -> None:
         ident = id(tensor)
         entries = self._entries
 
@@ -87,6 +208,24 @@ class _LiveTable:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+# NOTE [Owners]
+# Saved-tensor hooks are thread-local and only the innermost pair is called, so with two
+# controllers installed on one thread the last one's ``pack`` sees every save. A save belongs to
+# the controller whose model's forward is running; with nested models (a controlled model inside
+# another) to the one entered last. ``pack`` hands each save to its owner's ``pack_own``; saves
+# made while no controlled model is running (a loss computed after ``model(x)``, another model)
+# are kept as they are. ``installed_hooks`` lists the hooks installed on this thread, in order.
+_installed = threading.local()
+
+
+def installed_hooks() -> list[SaveHooks]:
+    """The ``SaveHooks`` installed on this thread, oldest first."""
+    hooks = getattr(_installed, "hooks", None)
+    if hooks is None:
+        hooks = _installed.hooks = []
+    return hooks
 
 
 class SaveHooks:
@@ -115,53 +254,121 @@ class SaveHooks:
         self.swapper = swapper
         self.live = _LiveTable()
         self.unpacked = 0  # unpack calls so far: tells whether a closure ran a backward
+        self._warned_missed: set[str] = set()
 
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor | Saved:
+    def owner(self) -> SaveHooks | None:
+        """The hooks whose model's forward is running on this thread (NOTE [Owners])."""
+        best, tick = None, 0
+        for hooks in installed_hooks() or (self,):
+            entered = hooks.tracker.entered()
+            if entered > tick:
+                best, tick = hooks, entered
+        return best
+
+    def pack(self, tensor: torch.Tensor) -> Saved:
+        owner = self.owner()
+        if owner is None:
+            return self.pack_own(tensor, inside=False)
+        return owner.pack_own(tensor, inside=True)
+
+    def unpack(self, saved: Saved) -> torch.Tensor:
+        self.unpacked += 1
+        return saved.unpack()
+
+    def pack_own(self, tensor: torch.Tensor, *, inside: bool) -> Saved:
+        """Pack a save made in this controller's model (or, ``inside=False``, outside every
+        controlled model: then it is kept as it is)."""
+        if type(tensor) not in (torch.Tensor, nn.Parameter) or tensor.device.type == "meta":
+            return SavedKept(tensor, "<unsupported>")  # tensor subclasses, meta: not ours
         if self.is_parameter(tensor):
             self.ledger.record(_PARAM_KEY, tensor, Kind.PARAMETER, None, 0)
-            return tensor
+            return SavedKept(tensor, _PARAM_KEY)
         # Every save advances its scope's counter, deduplicated or not, so that keys never
         # depend on how earlier tensors were treated (see NOTE [Save-site keys]).
         key = self.tracker.next_key(tensor)
+        spec = decisions.current_spec() if inside else None
         hit = self.live.get(tensor, self.tracker.generation)
         if hit is not None:
             self.ledger.deduplicated += 1
+            if spec is not None and isinstance(hit, SavedCompressed):
+                self._decide(hit, tensor, spec)
             return hit
-        cfg = self.plan.config
-        small = tensor.numel() < cfg.min_numel and not self.plan.probes(key)
-        if not cfg.spec.compresses or small or tensor.layout is not torch.strided:
-            return self._keep(key, tensor, None)
-        with torch.no_grad():
-            if tensor.dtype is torch.bool:
-                payload: Payload = gact_kernels.pack_mask(tensor.detach())
-                return self._store(key, tensor, payload, Kind.MASK, 1)
-            if tensor.dtype not in _QUANTIZABLE:
-                return self._keep(key, tensor, None)
-            bits = self.plan.bits_for(key)
-            if bits is None:
-                return self._keep(key, tensor, tensor.element_size() * 8)
-            seed = self.plan.seed_for(key, self.ledger.occurrences(key))
-            payload = gact_kernels.quantize(
-                tensor.detach(), bits, group_size=cfg.group_size, seed=seed
-            )
-        return self._store(key, tensor, payload, Kind.QUANTIZED, bits)
-
-    def unpack(self, saved: torch.Tensor | Saved) -> torch.Tensor:
-        self.unpacked += 1
-        if isinstance(saved, torch.Tensor):
+        kind = self._treatment(key, tensor, spec, inside)
+        if kind is not None:
+            bits = tensor.element_size() * 8 if kind is Kind.KEPT and self._full(key) else None
+            saved: Saved = SavedKept(tensor, key)
+            self.live.add(tensor, saved, self.tracker.generation)
+            self.ledger.record(key, tensor, kind, bits, occupied_bytes(tensor))
             return saved
-        return saved.restore()
+        return self._compress(key, tensor, spec)
 
-    def _keep(self, key: str, tensor: torch.Tensor, bits: int | None) -> torch.Tensor:
-        # a second save of it in this forward is a duplicate, at every level
-        self.live.add(tensor, tensor, self.tracker.generation)
-        self.ledger.record(key, tensor, Kind.KEPT, bits, tensor.numel() * tensor.element_size())
-        return tensor
+    def _full(self, key: str) -> bool:
+        """Whether the allocation keeps ``key`` at full precision."""
+        return self.plan.config.spec.compresses and self.plan.bits_for(key) is None
 
-    def _store(
-        self, key: str, tensor: torch.Tensor, payload: Payload, kind: Kind, bits: int
-    ) -> Saved:
-        saved = Saved(payload, self.swapper)
+    def _treatment(
+        self, key: str, tensor: torch.Tensor, spec: DecisionSpec | None, inside: bool
+    ) -> Kind | None:
+        """The kind of a save kept as it is, or ``None`` if it is compressed."""
+        if not inside:
+            return Kind.OUTSIDE
+        cfg = self.plan.config
+        if not cfg.spec.compresses or tensor.layout is not torch.strided:
+            return Kind.KEPT
+        if occupied_bytes(tensor) < tensor.numel() * tensor.element_size():
+            return Kind.KEPT  # an expanded view: its storage is smaller than a compressed copy
+        if tensor.numel() < cfg.min_numel and not self.plan.probes(key):
+            return Kind.KEPT
+        if tensor.dtype is torch.bool or tensor.dtype in gact_kernels.INT_DTYPES:
+            return None  # packed losslessly
+        if tensor.dtype not in gact_kernels.FLOAT_DTYPES or self.plan.bits_for(key) is None:
+            return Kind.KEPT
+        if key in self.plan.exact_keys:
+            return Kind.KEPT
+        if spec is not None and (spec.exact or not decisions.representable(spec, tensor.dtype)):
+            return Kind.KEPT
+        return None
+
+    def _compress(self, key: str, tensor: torch.Tensor, spec: DecisionSpec | None) -> Saved:
+        group_size = self.plan.config.group_size
+        with torch.no_grad():
+            data = tensor.detach()
+            if tensor.dtype is torch.bool:
+                payload: gact_kernels.Compressed = gact_kernels.pack_mask(data)
+                kind, bits = Kind.MASK, 1
+            elif tensor.dtype in gact_kernels.INT_DTYPES:
+                payload = gact_kernels.pack_ints(data, group_size=group_size)
+                kind, bits = Kind.PACKED, None
+            else:
+                bits = self.plan.bits_for(key)
+                assert bits is not None
+                seed = self.plan.seed_for(key, self.ledger.occurrences(key))
+                payload = gact_kernels.quantize(data, bits, group_size=group_size, seed=seed)
+                kind = Kind.QUANTIZED
+        saved = SavedCompressed(tensor, key, payload, self)
         self.live.add(tensor, saved, self.tracker.generation)
         self.ledger.record(key, tensor, kind, bits, payload.nbytes)
+        if spec is not None and kind is Kind.QUANTIZED:
+            self._decide(saved, tensor, spec)
         return saved
+
+    def _decide(self, saved: SavedCompressed, tensor: torch.Tensor, spec: DecisionSpec) -> None:
+        added = saved.decide(tensor, spec)
+        assert saved.decision is not None
+        self.ledger.add_decision(saved.key, added, len(saved.decision.predicates))
+
+    def missed_decision(self, key: str, node: str) -> None:
+        """A compressed tensor reached a deciding backward node without exact masks (an
+        operator whose Python entry point ``DecisionMode`` does not know): keep ``key`` exact
+        from the next forward on."""
+        self.plan.exact_keys.add(key)
+        if key not in self._warned_missed:
+            self._warned_missed.add(key)
+            warnings.warn(
+                f"{node} took a decision from the compressed tensor saved at {key!r} without an "
+                "exact mask, so this gradient may be slightly biased; the tensor is kept "
+                "uncompressed from the next forward on. Please report the operator that saved "
+                "it to GACT.",
+                GactWarning,
+                stacklevel=2,
+            )

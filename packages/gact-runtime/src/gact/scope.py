@@ -1,4 +1,19 @@
-"""Stable names for saved tensors.
+"""Stable names for saved tensors, and which model's forward is running."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
+
+from .decisions import DecisionMode
+
+__all__ = ["OUTSIDE", "ScopeTracker"]
 
 # NOTE [Save-site keys]
 # A saved tensor is named by *where* it was saved, not by when: the qualified name of the
@@ -14,20 +29,12 @@
 # keys, and a second forward reproduces the same keys. The shape is left out on purpose, so a
 # smaller last batch keeps its bits; dtype and rank are in, so a save site whose tensor changes
 # kind gets a key of its own rather than another tensor's bits.
-"""
-
-from __future__ import annotations
-
-import threading
-from typing import Callable
-
-import torch
-from torch import nn
-from torch.utils.hooks import RemovableHandle
-
-__all__ = ["OUTSIDE", "ScopeTracker"]
 
 OUTSIDE = "<outside>"
+
+# Ticks order the entries into models across trackers, so that with nested controlled models the
+# innermost one running owns a save (see NOTE [Owners] in saved.py).
+_ticks = itertools.count(1)
 
 
 class _Frame:
@@ -37,6 +44,31 @@ class _Frame:
         self.module = module
         self.name = name
         self.count = 0
+
+
+class _ModeScope:
+    """One ``DecisionMode`` per thread, pushed while any controlled forward runs on it."""
+
+    _local = threading.local()
+
+    @classmethod
+    def enter(cls) -> None:
+        depth = getattr(cls._local, "depth", 0)
+        if depth == 0:
+            mode: TorchFunctionMode = DecisionMode()
+            mode.__enter__()
+            cls._local.mode = mode
+        cls._local.depth = depth + 1
+
+    @classmethod
+    def leave(cls) -> None:
+        depth = getattr(cls._local, "depth", 0) - 1
+        if depth < 0:
+            return
+        cls._local.depth = depth
+        if depth == 0:
+            mode, cls._local.mode = cls._local.mode, None
+            mode.__exit__(None, None, None)
 
 
 class ScopeTracker:
@@ -67,6 +99,7 @@ class ScopeTracker:
         if stack is None:
             stack = local.stack = [_Frame(None, OUTSIDE)]
             local.generation = self._generation
+            local.entered = 0
         elif local.generation != self._generation:
             # Another thread (e.g. an autograd worker recomputing a checkpointed region) saw a
             # root forward start since: its <outside> counter restarts like the main thread's.
@@ -96,6 +129,9 @@ class ScopeTracker:
                 self._generation += 1
                 self._on_root_forward()
             stack = self._stack()
+            if len(stack) == 1:  # entering the model (its root, or a submodule called alone)
+                self._local.entered = next(_ticks)
+                _ModeScope.enter()
             stack.append(_Frame(module, label))
 
         return enter
@@ -108,6 +144,8 @@ class ScopeTracker:
             for depth in range(len(stack) - 1, 0, -1):
                 if stack[depth].module is module:
                     del stack[depth:]
+                    if depth == 1:
+                        _ModeScope.leave()
                     return
 
         return leave
@@ -116,6 +154,11 @@ class ScopeTracker:
     def generation(self) -> int:
         """Number of root forwards so far (identifies the current forward)."""
         return self._generation
+
+    def entered(self) -> int:
+        """On this thread: when the running forward of the model started (a tick that orders
+        entries across trackers), or 0 when no module of the model is running."""
+        return self._local.entered if len(self._stack()) > 1 else 0
 
     def next_key(self, tensor: torch.Tensor) -> str:
         """The key of the next save in the current scope (advances the scope's counter)."""

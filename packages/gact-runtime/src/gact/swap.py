@@ -1,49 +1,56 @@
-"""Level L3: compressed payloads wait for backward in pinned CPU memory.
+"""Level L3: compressed payloads wait for backward in pinned CPU memory."""
+
+from __future__ import annotations
+
+import logging
+import weakref
+
+import gact_kernels
+import torch
+
+__all__ = ["Swapper", "Ticket"]
+
+logger = logging.getLogger("gact")
 
 # NOTE [Swap streams]
 # Offload: a side CUDA stream waits for the compute stream, copies the payload into pinned host
 # memory (torch's caching host allocator is the reusable pinned pool), and the device buffers are
 # marked as used by the side stream (``record_stream``) so the allocator reuses them only after
 # the copy; the device copy is then dropped. Fetch: the payload needed now is copied back on the
-# side stream and the compute stream waits for it; at the same time the payload saved just
+# side stream and the compute stream waits for it; at the same time the payload offloaded just
 # before it (the next one backward will need, as backward runs in reverse order) is prefetched.
-# Payloads on the CPU (CPU-only training) are left where they are: L3 then behaves as L2, and a
-# warning says so once.
-"""
-
-from __future__ import annotations
-
-import logging
-import weakref
-from typing import TYPE_CHECKING, Union
-
-import gact_kernels
-import torch
-
-if TYPE_CHECKING:
-    from .saved import Saved
-
-__all__ = ["Swapper"]
-
-logger = logging.getLogger("gact")
-# What a ``Saved`` owns: the two compressed containers of gact_kernels.
-Payload = Union[gact_kernels.QuantizedTensor, gact_kernels.PackedMask]
+# Payloads on the CPU (CPU-only training) are not offloaded: L3 then behaves as L2, and a warning
+# says so once. The owner of a payload only holds its ``Ticket``; the ticket owns the host copy.
 
 
-class _Ticket:
-    __slots__ = ("consumed", "device", "event", "index", "order", "prefetched")
+class Ticket:
+    """A payload waiting in pinned host memory, as handed out by ``Swapper.offload``."""
 
-    def __init__(self, device: torch.device, order: list[weakref.ref]) -> None:
+    __slots__ = (
+        "__weakref__",
+        "consumed",
+        "device",
+        "event",
+        "index",
+        "order",
+        "payload",
+        "prefetched",
+    )
+
+    def __init__(
+        self, payload: gact_kernels.Compressed, device: torch.device, order: list[weakref.ref]
+    ) -> None:
+        self.payload = payload  # the host copy
         self.device = device
-        self.order = order  # the save order of this ticket's step
+        self.order = order  # the offload order of this ticket's step
         self.index = len(order)
         self.event: torch.cuda.Event | None = None
-        self.prefetched: Payload | None = None
+        self.prefetched: gact_kernels.Compressed | None = None
         self.consumed = False  # fetched once: never prefetched again (retain_graph, reuse)
 
 
 class Swapper:
-    """Moves payloads of ``Saved`` objects to pinned host memory and back."""
+    """Moves payloads to pinned host memory and back (see NOTE [Swap streams])."""
 
     def __init__(self) -> None:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -57,11 +64,11 @@ class Swapper:
         return stream
 
     def new_step(self) -> None:
-        """Start a new save order (payloads of earlier steps keep theirs)."""
+        """Start a new offload order (tickets of earlier steps keep theirs)."""
         self._order = []
 
-    def offload(self, saved: Saved) -> _Ticket | None:
-        payload = saved.payload
+    def offload(self, payload: gact_kernels.Compressed) -> Ticket | None:
+        """Start copying ``payload`` to the host; ``None`` if it stays where it is (CPU)."""
         if payload.device.type != "cuda":
             if not self._warned:
                 logger.warning(
@@ -77,19 +84,16 @@ class Swapper:
             host = payload.to("cpu", non_blocking=True)
         for buf in payload.buffers():
             buf.record_stream(side)
-        ticket = _Ticket(device, self._order)
-        saved.payload = host
-        self._order.append(weakref.ref(saved))
+        ticket = Ticket(host, device, self._order)
+        self._order.append(weakref.ref(ticket))
         return ticket
 
-    def fetch(self, saved: Saved) -> Payload:
-        ticket = saved.ticket
-        if ticket is None:
-            return saved.payload
+    def fetch(self, ticket: Ticket) -> gact_kernels.Compressed:
+        """The payload of ``ticket`` on its device, ready on the current stream."""
         current = torch.cuda.current_stream(ticket.device)
         payload = ticket.prefetched
         if payload is None:
-            payload = self._copy_in(saved, ticket)
+            payload = self._copy_in(ticket)
         ticket.prefetched = None
         ticket.consumed = True
         assert ticket.event is not None
@@ -99,18 +103,18 @@ class Swapper:
         self._prefetch_before(ticket)
         return payload
 
-    def _copy_in(self, saved: Saved, ticket: _Ticket) -> Payload:
+    def _copy_in(self, ticket: Ticket) -> gact_kernels.Compressed:
         side = self._stream(ticket.device)
         with torch.cuda.stream(side):
-            payload = saved.payload.to(ticket.device, non_blocking=True)
+            payload = ticket.payload.to(ticket.device, non_blocking=True)
             ticket.event = side.record_event()
         return payload
 
-    def _prefetch_before(self, ticket: _Ticket) -> None:
+    def _prefetch_before(self, ticket: Ticket) -> None:
         for i in range(ticket.index - 1, -1, -1):
-            owner = ticket.order[i]()
-            if owner is None or owner.ticket is None or owner.ticket.consumed:
+            earlier = ticket.order[i]()
+            if earlier is None or earlier.consumed:
                 continue
-            if owner.ticket.prefetched is None:
-                owner.ticket.prefetched = self._copy_in(owner, owner.ticket)
+            if earlier.prefetched is None:
+                earlier.prefetched = self._copy_in(earlier)
             return

@@ -1,0 +1,322 @@
+"""Exact decisions for backward functions that branch on a saved tensor.
+
+The backward of ReLU keeps the gradient where its saved output is ``> 0``; LeakyReLU, ELU, PReLU,
+Hardtanh/ReLU6, Hardsigmoid, Hardswish, threshold, clamp, abs and the shrink functions branch the
+same way on a saved tensor. Stochastic rounding moves values across such a threshold (a positive
+ReLU output below one quantization step rounds to 0 with probability ``1 - y/step``), which makes
+the gradient systematically wrong, not just noisy. This module keeps those decisions exact.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import gact_kernels
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["DECISION_NODES", "Decision", "DecisionMode", "DecisionSpec", "current_spec"]
+
+# NOTE [Exact decisions]
+# While a controlled model's forward runs, ``DecisionMode`` (a TorchFunctionMode) sees every call
+# of a function whose backward branches on a saved tensor, before autograd saves that tensor. It
+# publishes the call's ``DecisionSpec`` in a thread-local, where ``SaveHooks.pack`` reads it:
+# - ``predicates``: the comparisons the backward makes, normalised to ``x > t`` (strict) or
+#   ``x >= t``. A compressed save made during the call gets, per predicate, the exact outcome as a
+#   1-bit ``PackedMask`` (its bytes are counted in ``stats()`` and in the adaptive budget).
+# - ``exact``: the backward compares the saved tensor with another tensor (``maximum``, ``amax``,
+#   ``max()``, inf-norms, the margin and L1-type losses), or a threshold is not representable in
+#   the tensor's dtype; saves made during the call are kept uncompressed.
+# After the call, the class name of the output's ``grad_fn`` (e.g. ``LeakyReluBackward0``) is
+# recorded as a *consumer* of those decisions. At unpack, ``torch._C._current_autograd_node()``
+# names the node that is unpacking: a consumer gets the dequantized values clamped into the exact
+# region given by the masks (``Decision.project``), so every comparison it makes comes out as on
+# the original tensor; every other node gets the unbiased dequantized values untouched. A value
+# only moves when rounding crossed a threshold, and only for the deciding node.
+# Known limit: decisions made inside C++ composite operators that no Python entry point exposes
+# are caught at unpack (``DECISION_NODES``): the save site is then kept exact from the next
+# forward on and a warning says so once.
+
+# Autograd nodes whose backward branches on a saved tensor (class names without the trailing
+# version digit). Used at unpack to find compressed tensors that reached such a node without
+# masks, which only happens for decisions this module did not see coming.
+DECISION_NODES = frozenset(
+    {
+        "ReluBackward",
+        "ThresholdBackward",
+        "LeakyReluBackward",
+        "HardtanhBackward",
+        "EluBackward",
+        "CeluBackward",
+        "PreluKernelBackward",
+        "RreluWithNoiseBackward",
+        "HardsigmoidBackward",
+        "HardswishBackward",
+        "ClampBackward",
+        "ClampMinBackward",
+        "ClampMaxBackward",
+        "AbsBackward",
+        "HardshrinkBackward",
+        "SoftshrinkBackward",
+        "MaximumBackward",
+        "MinimumBackward",
+        "FmaxBackward",
+        "FminBackward",
+        "AmaxBackward",
+        "AminBackward",
+        "MaxBackward",
+        "MinBackward",
+        "MedianBackward",
+        "NanmedianBackward",
+        "SmoothL1LossBackward",
+        "HuberLossBackward",
+        "L1LossBackward",
+    }
+)
+
+
+def node_family(node: object) -> str:
+    """``'LeakyReluBackward0'`` -> ``'LeakyReluBackward'``."""
+    return type(node).__name__.rstrip("0123456789")
+
+
+@dataclass(frozen=True)
+class DecisionSpec:
+    """What the backward of one call decides on its saved tensors.
+
+    Args:
+        predicates: ``(strict, t)`` pairs: ``x > t`` if ``strict`` else ``x >= t``.
+        exact: keep the call's saved tensors uncompressed instead.
+    """
+
+    predicates: tuple[tuple[bool, float], ...] = ()
+    exact: bool = False
+
+
+_EXACT = DecisionSpec(exact=True)
+_POSITIVE = DecisionSpec(((True, 0.0),))
+
+
+def _arg(args: Sequence[Any], kwargs: dict[str, Any], i: int, name: str, default: Any) -> Any:
+    if len(args) > i:
+        return args[i]
+    return kwargs.get(name, default)
+
+
+def _scalar(value: Any) -> float | None:
+    """A Python number as float; ``None`` for tensors and other objects."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def _between(low: Any, high: Any, *, low_strict: bool, high_strict: bool) -> DecisionSpec:
+    """Spec of a backward that passes the gradient where ``low <(=) x <(=) high``.
+
+    ``None`` bounds are absent; a bound that is a tensor makes the decision exact instead.
+    """
+    preds = []
+    for value, strict in ((low, low_strict), (high, not high_strict)):
+        if value is None:
+            continue
+        t = _scalar(value)
+        if t is None:
+            return _EXACT
+        preds.append((strict, t))
+    return DecisionSpec(tuple(preds))
+
+
+def _hardtanh(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec:
+    low = _arg(args, kwargs, 1, "min_val", -1.0)
+    high = _arg(args, kwargs, 2, "max_val", 1.0)
+    return _between(low, high, low_strict=True, high_strict=True)
+
+
+def _clamp(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec:
+    low = _arg(args, kwargs, 1, "min", None)
+    high = _arg(args, kwargs, 2, "max", None)
+    return _between(low, high, low_strict=False, high_strict=False)
+
+
+def _clamp_min(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec:
+    return _between(_arg(args, kwargs, 1, "min", None), None, low_strict=False, high_strict=False)
+
+
+def _clamp_max(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec:
+    return _between(None, _arg(args, kwargs, 1, "max", None), low_strict=False, high_strict=False)
+
+
+def _threshold(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec:
+    low = _arg(args, kwargs, 1, "threshold", None)
+    return _between(low, None, low_strict=True, high_strict=False)
+
+
+def _shrink(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec:
+    lambd = _scalar(_arg(args, kwargs, 1, "lambd", 0.5))
+    if lambd is None:
+        return _EXACT
+    # the gradient is zero where -lambd <= x <= lambd
+    return DecisionSpec(((False, -lambd), (True, lambd)))
+
+
+def _norm(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
+    order = _arg(args, kwargs, 1, "p", kwargs.get("ord", 2))
+    return _EXACT if isinstance(order, (int, float)) and math.isinf(order) else None
+
+
+_Rule = Callable[[Sequence[Any], dict[str, Any]], "DecisionSpec | None"]
+
+
+def _always(spec: DecisionSpec) -> _Rule:
+    return lambda args, kwargs: spec
+
+
+def _rules() -> dict[Callable[..., Any], _Rule]:
+    positive = _always(_POSITIVE)
+    exact = _always(_EXACT)
+    table: dict[Callable[..., Any], _Rule] = {}
+
+    def add(rule: _Rule, *funcs: Any) -> None:
+        for func in funcs:
+            if func is not None:
+                table[func] = rule
+
+    T = torch.Tensor
+    add(positive, F.relu, F.relu_, torch.relu, torch.relu_, T.relu, T.relu_)
+    add(positive, F.leaky_relu, F.leaky_relu_, F.elu, F.elu_, F.selu, F.selu_, F.celu, F.celu_)
+    add(positive, F.prelu, F.rrelu, F.rrelu_, torch.selu, torch.celu)
+    add(_hardtanh, F.hardtanh, F.hardtanh_)
+    add(lambda a, k: _between(0.0, 6.0, low_strict=True, high_strict=True), F.relu6)
+    add(lambda a, k: _between(-3.0, 3.0, low_strict=True, high_strict=True), F.hardsigmoid)
+    # hardswish: zero below -3, linear up to 3 (inclusive), identity above
+    add(lambda a, k: DecisionSpec(((False, -3.0), (True, 3.0))), F.hardswish)
+    add(_threshold, F.threshold, F.threshold_, torch.threshold, torch.threshold_)
+    add(_clamp, torch.clamp, torch.clip, T.clamp, T.clamp_, T.clip, T.clip_)
+    add(_clamp_min, torch.clamp_min, T.clamp_min, T.clamp_min_)
+    add(_clamp_max, torch.clamp_max, T.clamp_max, T.clamp_max_)
+    add(lambda a, k: DecisionSpec(((True, 0.0), (False, 0.0))), torch.abs, T.abs, T.abs_)
+    add(_shrink, F.hardshrink, F.softshrink, T.hardshrink)
+    add(_norm, torch.norm, T.norm, torch.linalg.vector_norm, torch.linalg.norm)
+    add(exact, torch.maximum, torch.minimum, torch.fmax, torch.fmin, T.maximum, T.minimum)
+    add(exact, torch.amax, torch.amin, T.amax, T.amin, torch.max, torch.min, T.max, T.min)
+    add(exact, torch.median, T.median, torch.nanmedian, T.nanmedian)
+    add(exact, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.hinge_embedding_loss)
+    add(exact, F.margin_ranking_loss, F.triplet_margin_loss, F.multi_margin_loss)
+    add(exact, F.multilabel_margin_loss)
+    return table
+
+
+_RULES = _rules()
+# ``torch.ops.aten.<name>`` calls reach the mode as op overloads: matched by name. Their
+# arguments follow the same schema as the Python functions above.
+_ATEN_RULES: dict[str, _Rule] = {
+    name: _RULES[func] for func in _RULES if (name := getattr(func, "__name__", "").lstrip("_"))
+}
+_local = threading.local()
+
+
+def _rule(func: Callable[..., Any]) -> _Rule | None:
+    rule = _RULES.get(func)
+    if rule is None and isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        rule = _ATEN_RULES.get(func.__name__.split(".")[0])
+    return rule
+
+
+def current_spec() -> DecisionSpec | None:
+    """The spec of the decision call running on this thread, if any."""
+    return getattr(_local, "spec", None)
+
+
+class Decision:
+    """Exact outcomes of a backward's comparisons on one compressed saved tensor.
+
+    Args:
+        tensor: the exact tensor being saved.
+        spec: the comparisons (see ``DecisionSpec``).
+    """
+
+    __slots__ = ("consumers", "masks", "predicates")
+
+    def __init__(self, tensor: torch.Tensor, spec: DecisionSpec) -> None:
+        self.predicates: list[tuple[bool, float]] = []
+        self.masks: list[gact_kernels.PackedMask] = []
+        self.consumers: set[str] = set()
+        self.extend(tensor, spec)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m in self.masks)
+
+    def extend(self, tensor: torch.Tensor, spec: DecisionSpec) -> int:
+        """Add the masks of ``spec``'s new predicates; returns the bytes added."""
+        added = 0
+        with torch.no_grad():
+            for strict, t in spec.predicates:
+                if (strict, t) in self.predicates:
+                    continue
+                outcome = tensor > t if strict else tensor >= t
+                mask = gact_kernels.pack_mask(outcome)
+                self.predicates.append((strict, t))
+                self.masks.append(mask)
+                added += mask.nbytes
+        _created().append(self)
+        return added
+
+    def project(self, values: torch.Tensor) -> torch.Tensor:
+        """Clamp ``values`` into the exact region every mask records (see NOTE above)."""
+        for (strict, t), packed in zip(self.predicates, self.masks):
+            outcome = gact_kernels.unpack_mask(packed)
+            bound = torch.tensor(t, dtype=values.dtype, device=values.device)
+            inf = torch.tensor(math.inf, dtype=values.dtype, device=values.device)
+            up, down = torch.nextafter(bound, inf), torch.nextafter(bound, -inf)
+            if strict:  # x > t: true -> at least the next value above t; false -> at most t
+                values = torch.where(outcome, values.clamp(min=up), values.clamp(max=bound))
+            else:  # x >= t: true -> at least t; false -> at most the value below t
+                values = torch.where(outcome, values.clamp(min=bound), values.clamp(max=down))
+        return values
+
+
+def _created() -> list[Decision]:
+    created = getattr(_local, "created", None)
+    if created is None:
+        created = _local.created = []
+    return created
+
+
+def representable(spec: DecisionSpec, dtype: torch.dtype) -> bool:
+    """Whether every threshold of ``spec`` is exactly a value of ``dtype`` (else keep exact)."""
+    return all(torch.tensor(t, dtype=dtype).item() == t for _, t in spec.predicates)
+
+
+class DecisionMode(TorchFunctionMode):
+    """Publishes the ``DecisionSpec`` of decision functions while they run (NOTE above)."""
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        rule = _rule(func)
+        spec = None if rule is None else rule(args, kwargs)
+        if spec is None:
+            return func(*args, **kwargs)
+        outer, outer_created = current_spec(), getattr(_local, "created", None)
+        _local.spec, _local.created = spec, []
+        try:
+            out = func(*args, **kwargs)
+            node = out.grad_fn if isinstance(out, torch.Tensor) else None
+            if node is not None:
+                name = type(node).__name__
+                for decision in _local.created:
+                    decision.consumers.add(name)
+            return out
+        finally:
+            _local.spec, _local.created = outer, outer_created

@@ -1,0 +1,137 @@
+"""Sensitivity probes: extra runs of the user's closure that leave no trace, and what they
+return (a fixed-size sketch of the gradient)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import nn
+
+from .plan import mix_seed
+
+__all__ = ["GradientSketch", "ProbeGuard"]
+
+# NOTE [Probes leave no trace]
+# A probe is one extra run of the user's closure with chosen bits and seeds. Around all probes
+# of an adaptation, ``ProbeGuard`` keeps: the CPU and every initialised CUDA generator's state
+# (reset before every probe, so dropout draws the same masks in each, and restored after), every
+# buffer's value (BatchNorm running statistics and ``num_batches_tracked``), every module's
+# training flag, and the gradient tensors the user's closure produced (set aside, so probes
+# accumulate into fresh ``.grad`` tensors, and put back). A gradient that is a view into a larger
+# storage (DDP's ``gradient_as_bucket_view=True``: probes all-reduce into the same buckets) is
+# also copied and refilled in place; any other gradient tensor is set aside as it is, without a
+# copy. No optimizer is involved. Under torch.distributed, rank 0's list of items is used by every
+# rank, so all ranks run the same number of probes (their all-reduces match) and allocate the
+# same bits.
+
+
+def _copy_if_shared(grad: torch.Tensor | None) -> torch.Tensor | None:
+    """A copy of ``grad`` if it is a view into a larger storage (a DDP bucket view)."""
+    if grad is None:
+        return None
+    shared = grad._base is not None or grad.untyped_storage().nbytes() > grad.nbytes
+    return grad.detach().clone() if shared else None
+
+
+class ProbeGuard:
+    """Context manager that snapshots what probes could change and restores it on exit.
+
+    Args:
+        model: the model being probed.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = model
+
+    def __enter__(self) -> ProbeGuard:
+        model = self._model
+        self._cpu_rng = torch.get_rng_state()
+        self._cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        self._grads = [(p, p.grad, _copy_if_shared(p.grad)) for p in model.parameters()]
+        self._buffers = [(b, b.detach().clone()) for b in model.buffers()]
+        self._modes = [(m, m.training) for m in model.modules()]
+        return self
+
+    def reset_rng(self) -> None:
+        torch.set_rng_state(self._cpu_rng)
+        if self._cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self._cuda_rng)
+
+    def clear_grads(self) -> None:
+        for p, _, _ in self._grads:
+            p.grad = None
+
+    def __exit__(self, *exc: object) -> None:
+        self.reset_rng()
+        with torch.no_grad():
+            for buf, value in self._buffers:
+                buf.copy_(value)
+            for p, grad, value in self._grads:
+                if value is not None:
+                    grad.copy_(value)
+                p.grad = grad
+        for module, training in self._modes:
+            module.training = training
+
+
+# NOTE [Gradient sketch]
+# The estimators in gact_policy compare probe gradients only through inner products and norms.
+# Copying every probe's gradient to the host would cost O(parameters x probes) memory (1.7 GB of
+# float64 for one adaptation of an 11M-parameter ResNet-18), so each probe's gradient is reduced
+# on its device to a vector of at most ``width`` entries: the gradient itself when the model has
+# no more parameters than that (exact), otherwise a CountSketch: coordinate i goes to bucket
+# h(i) with sign s(i), drawn once per adaptation from seeded generators and redrawn identically
+# for every probe. The map is linear and ``E[<S a, S b>] = <a, b>``, with variance at most
+# ``2 |a|^2 |b|^2 / width``; at the default width of 2^18 that is a few percent of the pairwise
+# estimator's own noise. Memory: ``width`` floats per probe on the host, and one chunk of bucket
+# indices at a time on the device.
+_CHUNK = 1 << 22
+
+
+class GradientSketch:
+    """A fixed linear map from all parameters' gradients to at most ``width`` floats.
+
+    Args:
+        model: the model whose ``.grad`` tensors are read (missing gradients count as zeros).
+        width: the largest output size; models with at most this many parameters are exact.
+        seed: the seed of the bucket and sign draws.
+
+    Example::
+
+        >>> model = torch.nn.Linear(4, 2)
+        >>> model(torch.ones(1, 4)).sum().backward()
+        >>> GradientSketch(model, width=1024, seed=0)().shape  # 10 parameters: exact
+        (10,)
+    """
+
+    def __init__(self, model: nn.Module, *, width: int = 1 << 18, seed: int = 0) -> None:
+        self._params = list(model.parameters())
+        total = sum(p.numel() for p in self._params)
+        self.exact = total <= width
+        self.width = total if self.exact else width
+        self._seed = seed
+
+    def __call__(self) -> np.ndarray:
+        """The sketch of the current gradients, as float64."""
+        if self.exact:
+            parts = [
+                torch.zeros(p.numel()) if p.grad is None else p.grad.detach().reshape(-1).cpu()
+                for p in self._params
+            ]
+            return torch.cat(parts).double().numpy() if parts else np.zeros(0)
+        out: dict[torch.device, torch.Tensor] = {}
+        for i, p in enumerate(self._params):
+            if p.grad is None:
+                continue
+            flat = p.grad.detach().reshape(-1)
+            acc = out.setdefault(flat.device, torch.zeros(self.width, device=flat.device))
+            for c in range(math.ceil(flat.numel() / _CHUNK)):
+                part = flat[c * _CHUNK : (c + 1) * _CHUNK].float()
+                gen = torch.Generator(device=part.device).manual_seed(mix_seed(self._seed, i, c))
+                bucket = torch.randint(self.width, part.shape, generator=gen, device=part.device)
+                sign = torch.randint(2, part.shape, generator=gen, device=part.device) * 2 - 1
+                acc.index_add_(0, bucket, part * sign)
+        total = sum((t.cpu().double() for t in out.values()), torch.zeros(self.width).double())
+        return total.numpy()

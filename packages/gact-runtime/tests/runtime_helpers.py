@@ -1,0 +1,37 @@
+"""Helpers shared by the runtime tests (imported as a module; conftest puts this folder on
+``sys.path``)."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def grads_of(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
+
+
+def relative_error(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    num = math.sqrt(sum(float((x - y).pow(2).sum()) for x, y in zip(a, b)))
+    den = math.sqrt(sum(float(y.pow(2).sum()) for y in b))
+    return num / den
+
+
+def make_closure(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, rng_seed: int = 123
+) -> Callable[[], torch.Tensor]:
+    """forward + cross-entropy + zero_grad + backward, with a fixed dropout stream."""
+
+    def closure() -> torch.Tensor:
+        torch.manual_seed(rng_seed)
+        model.train()
+        loss = F.cross_entropy(model(x), y)
+        model.zero_grad()
+        loss.backward()
+        return loss
+
+    return closure
