@@ -5,7 +5,7 @@ from __future__ import annotations
 import gact_kernels
 import pytest
 import torch
-from conftest import requires_cuda
+from kernels_testing import requires_cuda
 
 SHAPES = [(), (0,), (1,), (7,), (8,), (9,), (3, 5, 7), (2, 3, 4, 5, 6), (1000, 33)]
 

@@ -11,24 +11,18 @@ import sys
 import gact_kernels
 import pytest
 import torch
-from conftest import DTYPES, assert_within_one_step, requires_cuda
 from gact_kernels.reference import reference_dequantize, reference_quantize
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kernels_testing import (
+    DTYPES,
+    assert_within_one_step,
+    bits_equal,
+    expected_nbytes,
+    requires_cuda,
+)
 
 SHAPES = [(), (0,), (0, 5), (1,), (7,), (255,), (256,), (257,), (3, 5, 7), (2, 3, 4, 5, 6)]
-
-
-def expected_nbytes(n: int, bits: int, group_size: int, lossless: int, elem: int) -> int:
-    return (
-        math.ceil(n * bits / 8) + 8 * math.ceil(n / group_size) + lossless * (8 + group_size * elem)
-    )
-
-
-def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality (NaN payloads and signed zeros included)."""
-    a, b = a.detach().cpu().reshape(-1), b.detach().cpu().reshape(-1)
-    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 def assert_same(a: gact_kernels.QuantizedTensor, b: gact_kernels.QuantizedTensor) -> None:

@@ -7,7 +7,7 @@ import math
 import gact_kernels
 import pytest
 import torch
-from conftest import requires_cuda
+from kernels_testing import requires_cuda
 
 SEEDS = 3000
 
