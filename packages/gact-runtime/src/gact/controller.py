@@ -92,6 +92,8 @@ class Controller:
             raise ValueError(
                 "model has no parameters: there is nothing to train, so GACT has nothing to do"
             )
+        # Controller(torch.compile(model)): track the compiled module's original
+        model = getattr(model, "_orig_mod", model)
         self.model = model
         self.plan = BitPlan(config if config is not None else get_config())
         self.ledger = Ledger()
@@ -100,6 +102,7 @@ class Controller:
         self.hooks = SaveHooks(
             self.plan, self.tracker, self.parameter_filter, self.ledger, self._make_swapper()
         )
+        self.hooks.on_compiled = self._on_compiled
         self.adapter = Adapter(model, self.plan, self.hooks)
         self._context: torch.autograd.graph.saved_tensors_hooks | None = None
         self._thread: int | None = None
@@ -225,6 +228,16 @@ class Controller:
         ):
             self._end_step("auto")
         self._unpacked_at_forward = self.hooks.unpacked
+
+    def _on_compiled(self) -> None:
+        self._warn_once(
+            "compile",
+            "the model's forward is compiled (torch.compile): GACT keeps the tensors saved by "
+            "compiled graphs as they are, because the compiled backward unpacks all of them at "
+            "once when it starts (pytorch#148222), so compressing them would not lower the peak "
+            "memory. To save activation memory with GACT, run the model (or its memory-heavy "
+            "blocks) without torch.compile",
+        )
 
     # ----------------------------------------------------------------- training
     def iterate(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import gact_kernels
 import torch
@@ -254,6 +254,7 @@ class SaveHooks:
         self.swapper = swapper
         self.live = _LiveTable()
         self.unpacked = 0  # unpack calls so far: tells whether a closure ran a backward
+        self.on_compiled: Callable[[], None] = lambda: None  # set by the Controller
         self._warned_missed: set[str] = set()
 
     def owner(self) -> SaveHooks | None:
@@ -312,6 +313,9 @@ class SaveHooks:
         """The kind of a save kept as it is, or ``None`` if it is compressed."""
         if not inside:
             return Kind.OUTSIDE
+        if self.tracker.compiled():
+            self.on_compiled()
+            return Kind.KEPT  # see NOTE [Compiled forwards] in scope.py
         cfg = self.plan.config
         if not cfg.spec.compresses or tensor.layout is not torch.strided:
             return Kind.KEPT

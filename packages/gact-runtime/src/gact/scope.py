@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import os
+import sys
 import threading
 from typing import Callable
 
@@ -35,6 +37,42 @@ OUTSIDE = "<outside>"
 # Ticks order the entries into models across trackers, so that with nested controlled models the
 # innermost one running owns a save (see NOTE [Owners] in saved.py).
 _ticks = itertools.count(1)
+
+
+# NOTE [Compiled forwards]
+# Under ``torch.compile`` the hooks of the model's root module run eagerly (wrapped in
+# ``torch._dynamo.disable``: one graph break before and after the whole forward) and notice that
+# dynamo is running the forward; the hooks of submodules do nothing while dynamo traces, so they
+# leave no side effects in the graph. A compiled forward runs without ``DecisionMode``, and its
+# saves are kept as they are (see NOTE [Owners] in saved.py and the README's Known limits): the
+# compiled backward unpacks all saved tensors at once when it starts (pytorch#148222), so
+# compressing them would not lower the peak, and it takes decisions GACT cannot see.
+
+
+def _eager(hook: Callable[..., None]) -> Callable[..., None]:
+    import torch._dynamo
+
+    return torch._dynamo.disable(hook)
+
+
+def _called_by_dynamo() -> bool:
+    """Whether a frame of dynamo's compiled-call wrapper is on the Python stack (the frames of
+    ``torch._dynamo.disable``'s own wrapper, through which the root hooks run, do not count)."""
+    from torch._dynamo.eval_frame import DisableContext
+
+    frame = sys._getframe(1)
+    for _ in range(32):
+        if frame is None:
+            return False
+        if frame.f_code.co_filename.endswith(_DYNAMO_WRAPPER) and not isinstance(
+            frame.f_locals.get("self"), DisableContext
+        ):
+            return True
+        frame = frame.f_back
+    return False
+
+
+_DYNAMO_WRAPPER = os.path.join("_dynamo", "eval_frame.py")
 
 
 class _Frame:
@@ -100,6 +138,7 @@ class ScopeTracker:
             stack = local.stack = [_Frame(None, OUTSIDE)]
             local.generation = self._generation
             local.entered = 0
+            local.compiled = False
         elif local.generation != self._generation:
             # Another thread (e.g. an autograd worker recomputing a checkpointed region) saw a
             # root forward start since: its <outside> counter restarts like the main thread's.
@@ -114,7 +153,9 @@ class ScopeTracker:
         for name, module in self._model.named_modules():
             label = name or "<root>"
             self._handles.append(module.register_forward_pre_hook(self._make_enter(label)))
-            self._handles.append(module.register_forward_hook(self._make_exit(), always_call=True))
+            self._handles.append(
+                module.register_forward_hook(self._make_exit(label), always_call=True)
+            )
 
     def detach(self) -> None:
         """Remove the hooks; the tracker can be attached again later."""
@@ -125,30 +166,42 @@ class ScopeTracker:
 
     def _make_enter(self, label: str):
         def enter(module: nn.Module, args: object) -> None:
-            if module is self._model:
-                self._generation += 1
-                self._on_root_forward()
+            if torch.compiler.is_compiling():
+                return  # a submodule traced by dynamo (see NOTE [Compiled forwards])
             stack = self._stack()
             if len(stack) == 1:  # entering the model (its root, or a submodule called alone)
                 self._local.entered = next(_ticks)
-                _ModeScope.enter()
+                self._local.compiled = label == "<root>" and _called_by_dynamo()
+                if not self._local.compiled:
+                    _ModeScope.enter()
             stack.append(_Frame(module, label))
 
-        return enter
+        def enter_root(module: nn.Module, args: object) -> None:
+            self._generation += 1
+            self._on_root_forward()
+            enter(module, args)
 
-    def _make_exit(self):
+        return _eager(enter_root) if label == "<root>" else enter
+
+    def _make_exit(self, label: str):
         def leave(module: nn.Module, args: object, output: object) -> None:
+            if torch.compiler.is_compiling():
+                return
             stack = self._stack()
             # Pop up to and including this module's frame (a frame left behind by an
             # exception in a hook of a submodule is discarded with it).
             for depth in range(len(stack) - 1, 0, -1):
                 if stack[depth].module is module:
                     del stack[depth:]
-                    if depth == 1:
+                    if depth == 1 and not self._local.compiled:
                         _ModeScope.leave()
                     return
 
-        return leave
+        return _eager(leave) if label == "<root>" else leave
+
+    def compiled(self) -> bool:
+        """Whether the running forward of the model is a compiled one (on this thread)."""
+        return len(self._stack()) > 1 and self._local.compiled
 
     @property
     def generation(self) -> int:
