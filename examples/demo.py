@@ -1,32 +1,49 @@
-"""GACT in two minutes: the same small CNN trained in fp32 and with compressed activations.
+"""GACT in a few minutes: one small CNN trained at fp32 and with compressed activations.
 
-    python examples/demo.py                      # scikit-learn's bundled 8x8 digits, no files
-    python examples/demo.py --data ../shared/data   # MNIST (idx .gz) instead
-    nox -s demo
+    python examples/demo.py                 # scikit-learn's bundled 8x8 digits, no files needed
+    python examples/demo.py --data DATA     # MNIST: DATA holds mnist/ (the four idx .gz files)
+    nox -s demo                             # the same in a fresh environment (-- --data DATA)
 
-Each level trains in its own process (``examples/vision/train_vision.py``) so that peak memory
-is measured per level. fp32 runs at GACT level L0: tensors are stored unchanged but counted by
-the same hooks, so "saved activations" is measured identically at every level. Prints one table
-and writes a PNG chart to ``--out`` (default ``~/.cache/gact-examples/demo``).
+Each level trains in its own process (``examples/vision/train_vision.py``), followed by a short
+large-batch run, also in its own process, that measures peak memory. Prints one table and writes
+a PNG chart and the JSON records to ``--out`` (default ``~/.cache/gact-examples/demo``).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make examples/ importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gact_examples.charts import Panel, bar_chart
+from gact_examples.data import default_cache_dir
+from gact_examples.levels import BASELINE, bits_label, chart_label, level_label
+from gact_examples.runs import python_command, run_json
+from gact_examples.train import LEVELS, fmt_bytes
 
-from common.data import default_cache_dir
-from common.report import bar_chart, level_label, run_json, script_command
-from common.train import LEVELS, fmt_bytes
+TRAIN_SCRIPT = Path(__file__).resolve().parent / "vision" / "train_vision.py"
+MIB = 1 / 2**20
+NOTES = """\
+test acc: one seed on {n_test} test images (one image = {point:.2f} points), so differences of
+  about a point are noise.
+saved act./step: what autograd holds for backward in one training step, counted by GACT's hooks,
+  metadata included. fp32 is level L0: hooks installed, nothing compressed.
+peak memory: the process's peak resident memory over its pre-training baseline in a 3-step run
+  at batch {mem_batch}. It falls much less than saved activations: weights, gradients, optimizer
+  state and the backward pass's working set are not compressed.
+fp32/level: how many times less than fp32.
+Speed is not compared: on a shared CPU the step-time noise exceeds GACT's overhead (see
+  BENCHMARKS.md). Adaptive levels (L2, L2.2) also probe sensitivities on their first step
+  (1 + K extra forward/backward passes, again every 1000 steps by default): a visible share of a
+  run this short, a small one of a long run."""
 
 
-def parse_args(argv=None):
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data", default=None, help="use MNIST from this directory instead of digits")
+    p.add_argument("--data", default=None, help="train on MNIST from this folder instead of digits")
     p.add_argument("--levels", default="L0,L1,L2,L2.2", help="comma-separated; L0 = fp32")
     p.add_argument("--epochs", type=int, default=None, help="default: 5 (digits), 1 (MNIST)")
     p.add_argument("--batch-size", type=int, default=64)
@@ -36,118 +53,163 @@ def parse_args(argv=None):
         "--mem-batch",
         type=int,
         default=512,
-        help="batch size of the extra 3-step memory run per level (0: skip it)",
+        help="batch size of the 3-step memory run per level (0: no memory runs)",
     )
     p.add_argument("--device", default=None)
-    p.add_argument("--out", default=None, help="output folder for the JSON records and the PNG")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--out", default=None, help="folder for the JSON records, logs and the PNG")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
     args.levels = [s.strip() for s in args.levels.split(",") if s.strip()]
     bad = [lv for lv in args.levels if lv not in LEVELS]
-    if bad:
-        p.error(f"unknown level(s) {bad}; choose from {', '.join(LEVELS)}")
+    if bad or not args.levels:
+        p.error(f"unknown or no level(s) {bad}; choose from {', '.join(LEVELS)}")
     return args
 
 
-def level_args(args, level: str, json_path: Path) -> list[str]:
+def train_options(args: argparse.Namespace, level: str, json_path: Path) -> list[str]:
+    """Options of ``train_vision.py`` for one level's training run."""
     if args.data:
-        a = [
-            "--dataset",
-            "mnist",
-            "--data",
-            args.data,
-            "--train-subset",
-            str(args.train_subset),
-            "--epochs",
-            str(args.epochs or 1),
-        ]
-    else:  # digits upsampled to 16x16 so the convolutions have something to chew on
-        a = ["--dataset", "digits", "--image-size", "16", "--epochs", str(args.epochs or 5)]
-    a += ["--batch-size", str(args.batch_size), "--seed", str(args.seed), "--width", "16"]
-    a += ["--gact", "--level", level, "--json", str(json_path), "--no-progress"]
+        options = ["--dataset", "mnist", "--data", args.data]
+        options += ["--train-subset", str(args.train_subset), "--epochs", str(args.epochs or 1)]
+    else:  # digits upsampled to 16x16 so that the convolutions have something to work on
+        options = ["--dataset", "digits", "--image-size", "16", "--epochs", str(args.epochs or 5)]
+    options += ["--batch-size", str(args.batch_size), "--seed", str(args.seed), "--width", "16"]
+    options += ["--gact", "--level", level, "--json", str(json_path)]
     if args.device:
-        a += ["--device", args.device]
-    return a
+        options += ["--device", args.device]
+    return options + (["--no-progress"] if args.quiet else [])
 
 
-def main(argv=None) -> list[dict]:
-    args = parse_args(argv)
-    out = Path(args.out) if args.out else default_cache_dir() / "demo"
-    out.mkdir(parents=True, exist_ok=True)
-    dataset = "MNIST" if args.data else "scikit-learn digits (8x8 -> 16x16)"
-    print(f"GACT demo: ResNet-style CNN on {dataset}, levels {', '.join(args.levels)}")
+def _run(args: argparse.Namespace, options: list[str], json_path: Path) -> dict[str, Any]:
+    interactive = sys.stderr.isatty() and not args.quiet  # the run's own progress bar shows
+    cmd = python_command(TRAIN_SCRIPT, options)
+    return run_json(cmd, json_path, json_path.with_suffix(".log"), show_stderr=interactive)
 
-    from tqdm.auto import tqdm
 
-    records = []
-    bar = tqdm(args.levels, disable=args.quiet, leave=False, desc="levels")
-    for level in bar:
-        bar.set_postfix(level=level_label(level))
-        jpath = out / f"demo-{level}.json"
-        cmd = script_command("vision", level_args(args, level, jpath))
-        rec = run_json(cmd, jpath, log_path=out / f"demo-{level}.log")
-        if "error" in rec:
-            print(f"\n{level_label(level)} failed ({rec['error']}):\n{rec['output_tail']}")
-            rec = {"level": level}
-        if args.mem_batch and "error" not in rec:
-            mpath = out / f"demo-{level}-mem.json"
-            margs = level_args(args, level, mpath)
-            margs += ["--get-mem", "--mem-steps", "3", "--batch-size", str(args.mem_batch)]
-            mrec = run_json(script_command("vision", margs), mpath, out / f"demo-{level}-mem.log")
-            rec["mem_run"] = mrec if "error" not in mrec else None
-        records.append(rec)
+def run_level(args: argparse.Namespace, level: str, out: Path, step: str) -> dict[str, Any]:
+    """Train one level, then measure its peak memory; print a line before and after each."""
+    name = f"{level_label(level)} ({bits_label(level)})"
+    print(f"{step} {name}: training ...", flush=True)
+    start = time.perf_counter()
+    jpath = out / f"demo-{level}.json"
+    rec = _run(args, train_options(args, level, jpath), jpath)
+    if "error" in rec:
+        print(f"  failed ({rec['error']}):\n{rec['output_tail']}", flush=True)
+        return {"level": level, **rec}
+    print(
+        f"  trained in {rec['train_time_s']:.0f} s: test accuracy {rec['final_metric']:.2%}, "
+        f"saved activations {fmt_bytes(rec['stored_bytes'])} per step",
+        flush=True,
+    )
+    rec["mem_run"] = None
+    if args.mem_batch:
+        print(f"  memory run: 3 steps at batch {args.mem_batch} ...", flush=True)
+        mpath = out / f"demo-{level}-mem.json"
+        options = train_options(args, level, mpath)
+        options += ["--get-mem", "--mem-steps", "3", "--batch-size", str(args.mem_batch)]
+        mrec = _run(args, options, mpath)
+        if "error" in mrec:
+            print(f"  memory run failed ({mrec['error']}):\n{mrec['output_tail']}", flush=True)
+        else:
+            rec["mem_run"] = mrec
+    print(f"  {time.perf_counter() - start:.0f} s for this level", flush=True)
+    return rec
 
-    base = next((r for r in records if r.get("level") in ("L0", "fp32")), None)
+
+def _peak(rec: dict[str, Any]) -> float | None:
+    return rec["mem_run"]["peak_memory_delta_bytes"] if rec.get("mem_run") else None
+
+
+def _times(base: float | None, value: float | None) -> str:
+    return f"{base / value:.1f}x" if base and value else "n/a"
+
+
+def print_table(args: argparse.Namespace, records: list[dict[str, Any]]) -> None:
+    """One row per level, then the notes that say what each column measures."""
     ok = [r for r in records if "final_metric" in r]
-    for r in ok:  # peak memory from the large-batch memory run when there is one
-        m = r.get("mem_run") or r
-        r["demo_peak_delta"] = m["peak_memory_delta_bytes"]
-        r["demo_peak_saved"] = m["stored_bytes"]
-    mem_note = f"batch {args.mem_batch}" if args.mem_batch else f"batch {args.batch_size}"
+    base = next((r for r in ok if r["level"] == BASELINE), None)
     header = (
-        f"{'level':<6} {'test acc':>8} {'saved act./step':>15} {'ratio':>6} "
-        f"{'step ms':>8} {'vs fp32':>7} | {'saved @' + mem_note:>17} {'peak +RSS':>10}"
+        f"{'level':<6} {'bits':<20} {'test acc':>8} {'saved act./step':>16} {'fp32/level':>10} | "
+        f"{'peak memory':>12} {'fp32/level':>10}"
     )
     print("\n" + header + "\n" + "-" * len(header))
     for r in records:
-        name = level_label(r["level"])
         if "final_metric" not in r:
-            print(f"{name:<6} failed")
+            print(f"{level_label(r['level']):<6} failed: {r['error']}")
             continue
-        slow = r["step_time_s"] / base["step_time_s"] if base and "step_time_s" in base else 0.0
+        saved_ratio = _times(base and base["stored_bytes"], r["stored_bytes"])
+        peak_ratio = _times(base and _peak(base), _peak(r))
         print(
-            f"{name:<6} {r['final_metric'] * 100:>7.2f}% {fmt_bytes(r['stored_bytes']):>15} "
-            f"{r['compression_ratio'] or 0:>5.1f}x {r['step_time_s'] * 1e3:>8.1f} {slow:>6.2f}x | "
-            f"{fmt_bytes(r['demo_peak_saved']):>17} {fmt_bytes(r['demo_peak_delta']):>10}"
+            f"{level_label(r['level']):<6} {bits_label(r['level']):<20} "
+            f"{r['final_metric']:>8.2%} {fmt_bytes(r['stored_bytes']):>16} {saved_ratio:>10} | "
+            f"{fmt_bytes(_peak(r)):>12} {peak_ratio:>10}"
         )
-    if ok:
-        labels = [level_label(r["level"]) for r in ok]
-        zeros = [0.0] * len(ok)
-        panels = [
-            ("test accuracy (%)", [r["final_metric"] * 100 for r in ok]),
-            ("saved activations / step (MiB)", [r["stored_bytes"] / 2**20 for r in ok]),
-            (
-                f"peak RSS over baseline (MiB), {mem_note}",
-                [r["demo_peak_delta"] / 2**20 for r in ok],
-            ),
-            ("median step time (ms)", [r["step_time_s"] * 1e3 for r in ok]),
-        ]
-        bar_chart(
-            out / "demo.png",
-            f"GACT demo: ResNet-style CNN on {dataset}",
-            [(title, labels, vals, zeros) for title, vals in panels],
-            figsize=(13, 3.2),
+    n_test = ok[0]["test_images"] if ok else 0
+    point = 100 / n_test if n_test else float("nan")
+    print("\n" + NOTES.format(n_test=n_test, point=point, mem_batch=args.mem_batch))
+
+
+def _notes(records: list[dict[str, Any]], values: list[float], base: float | None) -> list[str]:
+    """``fp32`` on the baseline's bar, ``N.Nx less`` on the others."""
+    return [
+        "fp32" if r["level"] == BASELINE else _times(base, v) + " less"
+        for r, v in zip(records, values)
+    ]
+
+
+def draw_chart(
+    path: Path, title: str, args: argparse.Namespace, records: list[dict[str, Any]]
+) -> None:
+    """Accuracy, saved activations and peak memory per level, each bar with its note."""
+    ok = [r for r in records if "final_metric" in r]
+    labels = [chart_label(r["level"]) for r in ok]
+    base = next((r for r in ok if r["level"] == BASELINE), None)
+    acc = [r["final_metric"] * 100 for r in ok]
+    saved = [r["stored_bytes"] for r in ok]
+    peaks = [_peak(r) or float("nan") for r in ok]
+    panels = [
+        Panel("test accuracy (%)", labels, acc, [f"{a:.1f}%" for a in acc], limit=100.0),
+        Panel(
+            f"saved activations per step (MiB)\nbatch {args.batch_size}",
+            labels,
+            [s * MIB for s in saved],
+            _notes(ok, saved, base and base["stored_bytes"]),
+        ),
+    ]
+    if any(p == p for p in peaks):  # NaN != NaN: at least one memory run succeeded
+        panels.append(
+            Panel(
+                f"peak memory over baseline (MiB)\n3-step run at batch {args.mem_batch}",
+                labels,
+                [p * MIB for p in peaks],
+                _notes(ok, peaks, base and _peak(base)),
+            )
         )
-        print(f"\nchart: {out / 'demo.png'}\nrecords and logs: {out}")
-    print(
-        "saved act./step: bytes autograd keeps for backward in one training step, counted by\n"
-        "GACT's hooks (fp32 = level L0: stored unchanged). peak +RSS: process peak resident\n"
-        f"memory over the pre-training baseline during a 3-step run at {mem_note} (CUDA:\n"
-        "max_memory_allocated). ratio: a level's own fp32 bytes / what it stored. The fp32 row\n"
-        "counts a tensor saved by two operators twice (GACT's L0 hooks do not deduplicate), so it\n"
-        "is larger than the fp32 bytes the compressing levels start from. Step times on a busy\n"
-        "CPU are noisy."
+    footnote = (
+        "One seed. fp32 is level L0: GACT's hooks installed, nothing compressed. Notes: accuracy, "
+        "or how many times less than fp32. Saved activations: what autograd holds for backward in "
+        "one training step, metadata included. Peak memory falls much less: weights, gradients, "
+        "optimizer state and the backward pass's working set are not compressed."
     )
+    bar_chart(path, title, panels, footnote=footnote)
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    args = parse_args(argv)
+    out = Path(args.out) if args.out else default_cache_dir() / "demo"
+    out.mkdir(parents=True, exist_ok=True)
+    dataset = "MNIST" if args.data else "scikit-learn digits (8x8 upsampled to 16x16)"
+    names = ", ".join(f"{level_label(lv)} ({bits_label(lv)})" for lv in args.levels)
+    print(f"GACT demo: a ResNet-style CNN on {dataset}, one seed.\nLevels: {names}.\n")
+    start = time.perf_counter()
+    n = len(args.levels)
+    records = [run_level(args, lv, out, f"[{i}/{n}]") for i, lv in enumerate(args.levels, 1)]
+    print_table(args, records)
+    if any("final_metric" in r for r in records):
+        title = f"GACT demo: ResNet-style CNN on {dataset}"
+        draw_chart(out / "demo.png", title, args, records)
+        print(f"\nchart: {out / 'demo.png'}")
+    print(f"records and logs: {out}\ndemo wall time: {time.perf_counter() - start:.0f} s")
     return records
 
 

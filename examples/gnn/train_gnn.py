@@ -1,24 +1,23 @@
 """Full-batch node classification on Cora (Planetoid split) with GCN, GraphSAGE or GAT.
 
-python examples/gnn/train_gnn.py --data ../shared/data --model gcn
-python examples/gnn/train_gnn.py --data ../shared/data --model gat --gact --level L2
-python examples/gnn/train_gnn.py --data ../shared/data --model sage --gact --level L2 --get-mem
+    python examples/gnn/train_gnn.py --data DATA --model gcn
+    python examples/gnn/train_gnn.py --data DATA --model gat --gact --level L2
+    python examples/gnn/train_gnn.py --data DATA --model sage --gact --level L2 --get-mem
+
+DATA is the folder holding ``cora/`` (``ind.cora.*``), or ``cora/`` itself.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a script: make examples/ importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import argparse
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from common.data import load_planetoid
-from common.train import Run, base_parser, finish, progress, setup
-
-from gnn.models import GNN
+from gact_examples.data import load_planetoid
+from gact_examples.models import GNN, Graph
+from gact_examples.train import Run, base_parser, check_args, finish, progress, setup
 
 DEFAULTS = {  # hidden size, learning rate, weight decay
     "gcn": (64, 0.01, 5e-4),
@@ -27,23 +26,32 @@ DEFAULTS = {  # hidden size, learning rate, weight decay
 }
 
 
-def parse_args(argv=None):
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = base_parser(__doc__.splitlines()[0], epochs=200)
     p.add_argument("--model", choices=sorted(DEFAULTS), default="gcn")
     p.add_argument("--dataset", default="cora", help="Planetoid dataset name (files ind.NAME.*)")
     p.add_argument("--hidden", type=int, default=None)
     p.add_argument("--dropout", type=float, default=0.5)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_args(p, args, needs_data=True)
+    return args
 
 
 @torch.no_grad()
-def evaluate(model, x, graph, aux, y, idx_sets):
+def evaluate(
+    model: GNN,
+    x: torch.Tensor,
+    graph: Graph,
+    aux: torch.Tensor,
+    y: torch.Tensor,
+    idx_sets: Sequence[torch.Tensor],
+) -> list[float]:
     model.eval()
     pred = model(x, graph, aux).argmax(1)
     return [float((pred[i] == y[i]).float().mean()) for i in idx_sets]
 
 
-def main(argv=None) -> dict:
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     device = setup(args)
     data = load_planetoid(args.data, args.dataset)
@@ -61,7 +69,7 @@ def main(argv=None) -> dict:
     model = GNN(args.model, x.shape[1], hidden, int(data["num_classes"]), args.dropout).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=wd)
 
-    def closure():
+    def closure() -> torch.Tensor:
         model.train()
         out = model(x, graph, aux)
         loss = F.cross_entropy(out[train_idx], y[train_idx])
@@ -74,7 +82,7 @@ def main(argv=None) -> dict:
     with Run(args, model, device) as run:
         bar = progress(range(steps), args, desc=f"{args.model} {run.level}")
         for epoch in bar:
-            loss = run.step(closure, items=x.shape[0])
+            loss = run.step(closure)
             optimizer.step()
             if args.get_mem:
                 continue

@@ -1,26 +1,25 @@
 """Character-level GPT on tiny-shakespeare; reports the validation loss (nats per character).
 
-python examples/text/train_char_gpt.py --data ../shared/data
-python examples/text/train_char_gpt.py --data ../shared/data --gact --level L2
+    python examples/text/train_char_gpt.py --data DATA
+    python examples/text/train_char_gpt.py --data DATA --gact --level L2
+
+DATA is the folder holding ``tinyshakespeare/input.txt``, or ``tinyshakespeare/`` itself.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a script: make examples/ importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import argparse
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
-from common.data import load_char_corpus
-from common.train import Run, base_parser, finish, progress, setup
+from gact_examples.data import load_char_corpus
+from gact_examples.models import CharGPT
+from gact_examples.train import Run, base_parser, check_args, finish, progress, setup
 
-from text.model import CharGPT
 
-
-def parse_args(argv=None):
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = base_parser(__doc__.splitlines()[0], epochs=1, batch_size=32)
     p.add_argument("--steps-per-epoch", type=int, default=300)
     p.add_argument("--block-size", type=int, default=64)
@@ -29,17 +28,24 @@ def parse_args(argv=None):
     p.add_argument("--n-embd", type=int, default=128)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--eval-batches", type=int, default=20, help="validation batches (fixed)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_args(p, args, needs_data=True)
+    return args
 
 
-def sample_batch(ids: torch.Tensor, starts: torch.Tensor, block: int, device):
+def sample_batch(
+    ids: torch.Tensor, starts: torch.Tensor, block: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and next-character targets of the windows starting at ``starts``."""
     offs = torch.arange(block + 1)
     chunk = ids[starts.unsqueeze(1) + offs]  # B x (block+1)
     return chunk[:, :-1].to(device), chunk[:, 1:].to(device)
 
 
 @torch.no_grad()
-def evaluate(model, val_ids, args, device) -> float:
+def evaluate(
+    model: CharGPT, val_ids: torch.Tensor, args: argparse.Namespace, device: torch.device
+) -> float:
     """Mean loss over a fixed set of validation windows (same windows at every level/seed)."""
     model.eval()
     gen = torch.Generator().manual_seed(4321)
@@ -52,14 +58,17 @@ def evaluate(model, val_ids, args, device) -> float:
     return float(np.mean(losses))
 
 
-def main(argv=None) -> dict:
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     device = setup(args)
     corpus = load_char_corpus(args.data)
     train_ids = torch.from_numpy(corpus["train"])
     val_ids = torch.from_numpy(corpus["val"])
-    if len(val_ids) <= args.block_size + 1 or len(train_ids) <= args.block_size + 1:
-        raise SystemExit("corpus too short for --block-size")
+    if min(len(val_ids), len(train_ids)) <= args.block_size + 1:
+        raise ValueError(
+            f"the corpus' validation part has {len(val_ids)} characters, too few for "
+            f"--block-size {args.block_size}; use a smaller --block-size"
+        )
     model = CharGPT(
         len(corpus["chars"]), args.block_size, args.n_layer, args.n_head, args.n_embd, args.dropout
     ).to(device)
@@ -73,7 +82,7 @@ def main(argv=None) -> dict:
     hi = len(train_ids) - args.block_size - 1
     xb = yb = None
 
-    def closure():
+    def closure() -> torch.Tensor:
         model.train()
         _, loss = model(xb, yb)
         optimizer.zero_grad()
@@ -85,7 +94,7 @@ def main(argv=None) -> dict:
         for step in bar:
             starts = torch.randint(0, hi, (args.batch_size,), generator=gen)
             xb, yb = sample_batch(train_ids, starts, args.block_size, device)
-            loss = run.step(closure, items=xb.numel())
+            loss = run.step(closure)
             optimizer.step()
             sched.step()
             if (step + 1) % 25 == 0:

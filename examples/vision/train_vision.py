@@ -1,27 +1,27 @@
 """Image classification with a small ResNet-style CNN on MNIST, CIFAR-10 (JPEG archive) or the
 scikit-learn digits.
 
-    python examples/vision/train_vision.py --data ../shared/data --dataset mnist
-    python examples/vision/train_vision.py --data ../shared/data --dataset cifar10 --gact --level L2
+    python examples/vision/train_vision.py --data DATA --dataset mnist
+    python examples/vision/train_vision.py --data DATA --dataset cifar10 --gact --level L2
     python examples/vision/train_vision.py --dataset digits --gact --level L2.2   # no files needed
+
+DATA is the folder holding ``mnist/`` (four idx ``.gz`` files) and ``cifar10-jpg/``
+(``cifar10_jpg.tar.gz``), or the dataset's own folder.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
-import sys
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a script: make examples/ importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from common.data import load_cifar10, load_digits_split, load_mnist
-from common.train import Run, base_parser, finish, progress, setup
-
-from vision.models import ResNetSmall
+from gact_examples.data import load_cifar10, load_digits_split, load_mnist
+from gact_examples.models import ResNetSmall
+from gact_examples.train import Run, base_parser, check_args, finish, progress, setup
 
 # per-channel mean/std of the training images (0..1 scale)
 NORM = {
@@ -31,7 +31,7 @@ NORM = {
 }
 
 
-def parse_args(argv=None):
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = base_parser(__doc__.splitlines()[0], epochs=1, batch_size=128)
     p.add_argument("--dataset", choices=sorted(NORM), default="mnist")
     p.add_argument("--train-subset", type=int, default=None, help="use the first N train images")
@@ -41,11 +41,13 @@ def parse_args(argv=None):
     p.add_argument("--image-size", type=int, default=None, help="resize images (e.g. digits)")
     p.add_argument("--cache-dir", default=None, help="decoded CIFAR-10 cache (~/.cache default)")
     p.add_argument("--no-augment", action="store_true", help="no random flips/crops on CIFAR")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_args(p, args, needs_data=args.dataset != "digits")
+    return args
 
 
-def load(args) -> dict[str, torch.Tensor]:
-    """uint8 NCHW image tensors and int64 labels."""
+def load(args: argparse.Namespace) -> dict[str, torch.Tensor]:
+    """uint8 NCHW image tensors and int64 labels (``x_train``, ``y_train``, ``x_test``, ...)."""
     if args.dataset == "mnist":
         d = load_mnist(args.data)
     elif args.dataset == "cifar10":
@@ -69,7 +71,7 @@ def load(args) -> dict[str, torch.Tensor]:
 class Preprocess:
     """uint8 batch -> normalised float batch on the device (optionally resized / augmented)."""
 
-    def __init__(self, dataset: str, device: torch.device, size: int | None, augment: bool):
+    def __init__(self, dataset: str, device: torch.device, size: int | None, augment: bool) -> None:
         mean, std = NORM[dataset]
         self.mean = torch.tensor(mean, device=device).view(1, -1, 1, 1)
         self.std = torch.tensor(std, device=device).view(1, -1, 1, 1)
@@ -89,7 +91,9 @@ class Preprocess:
 
 
 @torch.no_grad()
-def evaluate(model, pre, x, y, batch=1000) -> float:
+def evaluate(
+    model: ResNetSmall, pre: Preprocess, x: torch.Tensor, y: torch.Tensor, batch: int = 1000
+) -> float:
     model.eval()
     correct = 0
     for i in range(0, len(x), batch):
@@ -98,10 +102,8 @@ def evaluate(model, pre, x, y, batch=1000) -> float:
     return correct / max(1, len(x))
 
 
-def main(argv=None) -> dict:
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    if args.dataset == "digits" and args.data is None:
-        args.data = "-"  # bundled with scikit-learn: no directory needed
     device = setup(args)
     data = load(args)
     in_ch = data["x_train"].shape[1]
@@ -126,14 +128,13 @@ def main(argv=None) -> dict:
 
     xb = yb = None
 
-    def closure():
+    def closure() -> torch.Tensor:
         model.train()
         loss = F.cross_entropy(model(xb), yb)
         optimizer.zero_grad()
         loss.backward()
         return loss
 
-    step = 0
     with Run(args, model, device) as run:
         bar = progress(range(total), args, desc=f"{args.dataset} {run.level}")
         batches = iter(())
@@ -146,13 +147,13 @@ def main(argv=None) -> dict:
                 idx = torch.arange(step * args.batch_size, (step + 1) * args.batch_size) % n_train
             xb = pre(data["x_train"][idx], train=True)
             yb = data["y_train"][idx].to(device)
-            loss = run.step(closure, items=len(idx))
+            loss = run.step(closure)
             optimizer.step()
             sched.step()
-            if (step + 1) % steps_per_epoch == 0 or step + 1 == total:
+            if (step + 1) % 10 == 0:
                 bar.set_postfix(loss=f"{float(loss):.3f}")
-                if not args.get_mem and (step + 1) % steps_per_epoch == 0:
-                    run.log_epoch(epoch=(step + 1) // steps_per_epoch, loss=float(loss))
+            if not args.get_mem and (step + 1) % steps_per_epoch == 0:
+                run.log_epoch(epoch=(step + 1) // steps_per_epoch, loss=float(loss))
 
     acc = None if args.get_mem else evaluate(model, pre, data["x_test"], data["y_test"])
     rec = run.result(

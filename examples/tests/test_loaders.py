@@ -1,11 +1,13 @@
+"""The loaders of ``gact_examples.data`` on tiny files in the real formats."""
+
 from __future__ import annotations
 
 import gzip
 
 import numpy as np
 import pytest
-from common import data
-from conftest import make_planetoid, write_idx
+from gact_examples import data
+from gact_examples.testing import make_planetoid, write_idx
 
 
 def test_read_idx_roundtrip(tmp_path):

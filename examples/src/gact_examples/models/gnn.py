@@ -13,9 +13,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+__all__ = ["GNN", "KINDS", "GATConv", "GCNConv", "Graph", "SAGEConv", "aggregate"]
+KINDS = ("gcn", "sage", "gat")
+
 
 @dataclass
 class Graph:
+    """Edges as two int64 index vectors (messages flow ``src -> dst``) on ``num_nodes`` nodes."""
+
     src: torch.Tensor
     dst: torch.Tensor
     num_nodes: int
@@ -34,7 +39,7 @@ class Graph:
         deg = torch.zeros(self.num_nodes, device=self.dst.device)
         return deg.index_add_(0, self.dst, torch.ones_like(self.dst, dtype=deg.dtype))
 
-    def to(self, device) -> Graph:
+    def to(self, device: torch.device | str) -> Graph:
         return Graph(self.src.to(device), self.dst.to(device), self.num_nodes)
 
 
@@ -47,7 +52,7 @@ def aggregate(graph: Graph, messages: torch.Tensor) -> torch.Tensor:
 class GCNConv(nn.Module):
     """Kipf & Welling: D^-1/2 (A + I) D^-1/2 X W (the graph passed in has self-loops)."""
 
-    def __init__(self, in_dim: int, out_dim: int):
+    def __init__(self, in_dim: int, out_dim: int) -> None:
         super().__init__()
         self.lin = nn.Linear(in_dim, out_dim, bias=False)
         self.bias = nn.Parameter(torch.zeros(out_dim))
@@ -60,7 +65,7 @@ class GCNConv(nn.Module):
 class SAGEConv(nn.Module):
     """GraphSAGE, mean aggregator: W_self x_i + W_neigh mean_{j in N(i)} x_j."""
 
-    def __init__(self, in_dim: int, out_dim: int):
+    def __init__(self, in_dim: int, out_dim: int) -> None:
         super().__init__()
         self.lin_self = nn.Linear(in_dim, out_dim)
         self.lin_neigh = nn.Linear(in_dim, out_dim, bias=False)
@@ -73,7 +78,7 @@ class SAGEConv(nn.Module):
 class GATConv(nn.Module):
     """Velickovic et al.: multi-head additive attention over incoming edges (with self-loops)."""
 
-    def __init__(self, in_dim: int, out_dim: int, heads: int, concat: bool, dropout: float):
+    def __init__(self, in_dim: int, out_dim: int, heads: int, concat: bool, dropout: float) -> None:
         super().__init__()
         self.heads, self.out_dim, self.concat = heads, out_dim, concat
         self.lin = nn.Linear(in_dim, heads * out_dim, bias=False)
@@ -104,7 +109,25 @@ class GATConv(nn.Module):
 
 
 class GNN(nn.Module):
-    """Two graph layers with ReLU/ELU and dropout, as in the original papers' Cora setups."""
+    """Two graph layers with ReLU (GAT: ELU) and dropout, as in the papers' Cora setups.
+
+    Args:
+        kind: ``"gcn"``, ``"sage"`` or ``"gat"``.
+        in_dim: input features per node.
+        hidden: hidden width (GAT: split over ``heads``).
+        num_classes: outputs per node.
+        dropout: dropout on the inputs of both layers (and GAT's attention weights).
+        heads: GAT attention heads of the first layer.
+
+    Raises:
+        ValueError: an unknown ``kind``.
+
+    Example:
+        >>> edge_index = torch.tensor([[0, 1, 1, 2], [1, 0, 2, 1]])
+        >>> graph, aux = GNN.prepare("gcn", edge_index, num_nodes=3)
+        >>> GNN("gcn", in_dim=5, hidden=8, num_classes=2)(torch.randn(3, 5), graph, aux).shape
+        torch.Size([3, 2])
+    """
 
     def __init__(
         self,
@@ -114,7 +137,7 @@ class GNN(nn.Module):
         num_classes: int,
         dropout: float = 0.5,
         heads: int = 8,
-    ):
+    ) -> None:
         super().__init__()
         self.kind, self.dropout = kind, dropout
         if kind == "gcn":
@@ -125,7 +148,7 @@ class GNN(nn.Module):
             self.conv1 = GATConv(in_dim, hidden // heads, heads, concat=True, dropout=dropout)
             self.conv2 = GATConv(hidden, num_classes, 1, concat=False, dropout=dropout)
         else:
-            raise ValueError(f"unknown model {kind!r}; choose gcn, sage or gat")
+            raise ValueError(f"unknown model {kind!r}; choose one of {', '.join(KINDS)}")
 
     @staticmethod
     def prepare(kind: str, edge_index: torch.Tensor, num_nodes: int) -> tuple[Graph, torch.Tensor]:
@@ -137,7 +160,9 @@ class GNN(nn.Module):
         dinv = graph.in_degree().pow(-0.5)
         return graph, dinv[graph.src] * dinv[graph.dst]  # GCN edge weights (unused by GAT)
 
-    def _conv(self, conv: nn.Module, x, graph, aux):
+    def _conv(
+        self, conv: nn.Module, x: torch.Tensor, graph: Graph, aux: torch.Tensor
+    ) -> torch.Tensor:
         return conv(x, graph) if self.kind == "gat" else conv(x, graph, aux)
 
     def forward(self, x: torch.Tensor, graph: Graph, aux: torch.Tensor) -> torch.Tensor:

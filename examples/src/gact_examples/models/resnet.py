@@ -6,9 +6,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+__all__ = ["BasicBlock", "ResNetSmall"]
+
 
 class BasicBlock(nn.Module):
-    def __init__(self, in_ch: int, out_ch: int, stride: int = 1):
+    """Two 3x3 convolutions with BatchNorm and a (projected when needed) shortcut.
+
+    Args:
+        in_ch: input channels.
+        out_ch: output channels.
+        stride: stride of the first convolution (and of the shortcut's projection).
+    """
+
+    def __init__(self, in_ch: int, out_ch: int, stride: int = 1) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(in_ch, out_ch, 3, stride, 1, bias=False)
         self.bn1 = nn.BatchNorm2d(out_ch)
@@ -27,12 +37,24 @@ class BasicBlock(nn.Module):
 
 
 class ResNetSmall(nn.Module):
-    """Stem conv, three stages of ``blocks`` BasicBlocks (widths w, 2w, 4w; strides 1, 2, 2),
-    global average pooling and a linear classifier."""
+    """Stem convolution, three stages of BasicBlocks, global average pooling, a linear head.
+
+    Args:
+        in_channels: image channels (1 for MNIST and digits, 3 for CIFAR-10).
+        num_classes: classifier outputs.
+        width: channels of the first stage; the stages have ``width``, ``2 width``, ``4 width``
+            channels and strides 1, 2, 2.
+        blocks: BasicBlocks per stage.
+
+    Example:
+        >>> model = ResNetSmall(in_channels=3, num_classes=10, width=8, blocks=2)
+        >>> model(torch.randn(4, 3, 32, 32)).shape
+        torch.Size([4, 10])
+    """
 
     def __init__(
         self, in_channels: int = 1, num_classes: int = 10, width: int = 16, blocks: int = 1
-    ):
+    ) -> None:
         super().__init__()
         self.stem = nn.Sequential(
             nn.Conv2d(in_channels, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU()

@@ -1,7 +1,12 @@
-"""Loaders for the four on-disk formats the examples use (plus scikit-learn's digits).
+"""Loaders for the four on-disk formats the examples use, plus scikit-learn's bundled digits.
 
-Every loader reads local files only; nothing is ever downloaded. ``--data`` may point either at
-the dataset's own directory (``.../cora``) or at the parent holding all of them (``.../data``).
+Every loader reads local files only; nothing is ever downloaded. ``data`` may point either at
+the dataset's own folder (``.../cora``) or at the folder holding all of them (``.../data``).
+
+Example:
+    >>> d = load_digits_split()
+    >>> d["x_train"].shape, d["x_train"].dtype.name, len(d["x_test"])
+    ((1438, 8, 8), 'uint8', 359)
 """
 
 from __future__ import annotations
@@ -17,6 +22,20 @@ import tarfile
 from pathlib import Path
 
 import numpy as np
+
+__all__ = [
+    "CIFAR10_ARCHIVE",
+    "CIFAR10_CLASSES",
+    "default_cache_dir",
+    "default_data_root",
+    "load_char_corpus",
+    "load_cifar10",
+    "load_digits_split",
+    "load_mnist",
+    "load_planetoid",
+    "read_idx",
+    "resolve_dir",
+]
 
 CIFAR10_CLASSES = (
     "airplane",
@@ -34,12 +53,8 @@ CIFAR10_ARCHIVE = "cifar10_jpg.tar.gz"
 
 
 def default_data_root() -> str | None:
-    """``$GACT_DATA``, else ``<repo>/../shared/data`` when it exists, else None."""
-    env = os.environ.get("GACT_DATA")
-    if env:
-        return env
-    guess = Path(__file__).resolve().parents[3] / "shared" / "data"
-    return str(guess) if guess.is_dir() else None
+    """The default ``--data``: ``$GACT_DATA`` if set, else None (the scripts then ask for it)."""
+    return os.environ.get("GACT_DATA") or None
 
 
 def default_cache_dir() -> Path:

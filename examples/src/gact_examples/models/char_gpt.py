@@ -9,12 +9,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+__all__ = ["Block", "CausalSelfAttention", "CharGPT"]
+
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, n_embd: int, n_head: int, block_size: int, dropout: float):
+    """Multi-head causal self-attention with an explicit softmax (its output is saved for
+    backward, so GACT sees and compresses it) and attention dropout.
+
+    Args:
+        n_embd: embedding width, divisible by ``n_head``.
+        n_head: attention heads.
+        block_size: the longest sequence (size of the causal mask).
+        dropout: dropout on the attention weights and on the output.
+    """
+
+    def __init__(self, n_embd: int, n_head: int, block_size: int, dropout: float) -> None:
         super().__init__()
         if n_embd % n_head:
-            raise ValueError("n_embd must be divisible by n_head")
+            raise ValueError(
+                f"n_embd={n_embd} is not divisible by n_head={n_head}; pick n_embd a multiple "
+                "of n_head"
+            )
         self.n_head = n_head
         self.qkv = nn.Linear(n_embd, 3 * n_embd)
         self.proj = nn.Linear(n_embd, n_embd)
@@ -35,7 +50,9 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, n_embd: int, n_head: int, block_size: int, dropout: float):
+    """Pre-LayerNorm transformer block: attention then a GELU MLP, each with a residual."""
+
+    def __init__(self, n_embd: int, n_head: int, block_size: int, dropout: float) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(n_embd)
         self.attn = CausalSelfAttention(n_embd, n_head, block_size, dropout)
@@ -53,6 +70,24 @@ class Block(nn.Module):
 
 
 class CharGPT(nn.Module):
+    """A GPT over characters: returns logits, or ``(logits, loss)`` when targets are given.
+
+    Args:
+        vocab_size: number of distinct characters.
+        block_size: the longest sequence.
+        n_layer: transformer blocks.
+        n_head: attention heads per block.
+        n_embd: embedding width.
+        dropout: dropout probability everywhere.
+
+    Example:
+        >>> model = CharGPT(vocab_size=11, block_size=16, n_layer=1, n_head=2, n_embd=32)
+        >>> idx = torch.randint(0, 11, (2, 16))
+        >>> logits, loss = model(idx, idx)
+        >>> logits.shape, loss.ndim
+        (torch.Size([2, 16, 11]), 0)
+    """
+
     def __init__(
         self,
         vocab_size: int,
@@ -61,7 +96,7 @@ class CharGPT(nn.Module):
         n_head: int = 4,
         n_embd: int = 128,
         dropout: float = 0.1,
-    ):
+    ) -> None:
         super().__init__()
         self.block_size = block_size
         self.tok_emb = nn.Embedding(vocab_size, n_embd)
@@ -81,10 +116,15 @@ class CharGPT(nn.Module):
             if isinstance(m, nn.Linear) and m.bias is not None:
                 nn.init.zeros_(m.bias)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         t = idx.shape[1]
         if t > self.block_size:
-            raise ValueError(f"sequence length {t} exceeds block size {self.block_size}")
+            raise ValueError(
+                f"sequence length {t} exceeds block size {self.block_size}; pass at most "
+                f"{self.block_size} tokens or build the model with a larger block_size"
+            )
         pos = torch.arange(t, device=idx.device)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         logits = self.head(self.ln_f(self.blocks(x)))

@@ -1,10 +1,10 @@
+"""The example models: shapes, gradients, GCN normalisation, GPT causality."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-from gnn.models import GNN
-from text.model import CharGPT
-from vision.models import ResNetSmall
+from gact_examples.models import GNN, CharGPT, ResNetSmall
 
 
 @pytest.mark.parametrize("kind", ["gcn", "sage", "gat"])

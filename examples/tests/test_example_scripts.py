@@ -6,19 +6,17 @@ import json
 import math
 
 import pytest
-from common.train import REQUIRED_KEYS
+from gact_examples.train import REQUIRED_KEYS
 
+GNN, VISION, TEXT = "gnn/train_gnn.py", "vision/train_vision.py", "text/train_char_gpt.py"
 TINY = {
-    "gcn": ("gnn.train_gnn", ["--model", "gcn", "--epochs", "2"]),
-    "sage": ("gnn.train_gnn", ["--model", "sage", "--epochs", "2"]),
-    "gat": ("gnn.train_gnn", ["--model", "gat", "--epochs", "2"]),
-    "mnist": ("vision.train_vision", ["--dataset", "mnist", "--batch-size", "32", "--width", "4"]),
-    "cifar10": (
-        "vision.train_vision",
-        ["--dataset", "cifar10", "--batch-size", "15", "--width", "4"],
-    ),
+    "gcn": (GNN, ["--model", "gcn", "--epochs", "2"]),
+    "sage": (GNN, ["--model", "sage", "--epochs", "2"]),
+    "gat": (GNN, ["--model", "gat", "--epochs", "2"]),
+    "mnist": (VISION, ["--dataset", "mnist", "--batch-size", "32", "--width", "4"]),
+    "cifar10": (VISION, ["--dataset", "cifar10", "--batch-size", "15", "--width", "4"]),
     "text": (
-        "text.train_char_gpt",
+        TEXT,
         [
             "--steps-per-epoch",
             "3",
@@ -33,12 +31,6 @@ TINY = {
         ],
     ),
 }
-
-
-def run_main(module: str, argv: list[str]):
-    import importlib
-
-    return importlib.import_module(module).main(argv)
 
 
 def check_record(rec: dict, level: str) -> None:
@@ -58,12 +50,12 @@ def check_record(rec: dict, level: str) -> None:
 
 @pytest.mark.parametrize("level", ["L0", "L2"])
 @pytest.mark.parametrize("name", sorted(TINY))
-def test_script_main(name, level, data_root, tmp_path):
-    module, extra = TINY[name]
+def test_script_main(name, level, data_root, tmp_path, script):
+    path, extra = TINY[name]
     out = tmp_path / "r.json"
     argv = ["--data", str(data_root), "--seed", "1", "--device", "cpu", "--no-progress"]
     argv += ["--gact", "--level", level, "--json", str(out), *extra]
-    rec = run_main(module, argv)
+    rec = script(path).main(argv)
     on_disk = json.loads(out.read_text())
     assert on_disk["model"] == rec["model"] and on_disk["seed"] == 1
     check_record(on_disk, level)
@@ -73,15 +65,14 @@ def test_script_main(name, level, data_root, tmp_path):
         assert on_disk["metric"] == "val_loss" and on_disk["final_metric"] > 0
 
 
-def test_fp32_without_gact(data_root, tmp_path):
-    rec = run_main("gnn.train_gnn", ["--data", str(data_root), "--epochs", "2", "--no-progress"])
+def test_fp32_without_gact(data_root, script):
+    rec = script(GNN).main(["--data", str(data_root), "--epochs", "2", "--no-progress"])
     assert rec["level"] == "fp32" and rec["original_bytes"] is None
     assert 0.0 <= rec["final_metric"] <= 1.0
 
 
-def test_get_mem_run(data_root, capsys):
-    rec = run_main(
-        "vision.train_vision",
+def test_get_mem_run(data_root, capsys, script):
+    rec = script(VISION).main(
         [
             "--data",
             str(data_root),
@@ -105,11 +96,18 @@ def test_get_mem_run(data_root, capsys):
     assert "compression ratio" in capsys.readouterr().out
 
 
-def test_l3_on_cpu_runs_as_l2(data_root, tmp_path):
+def test_l3_on_cpu_runs_as_l2(data_root, script):
     """L3 swaps to pinned memory on CUDA only; on the CPU the runtime runs it as L2."""
     argv = ["--data", str(data_root), "--seed", "1", "--device", "cpu", "--no-progress"]
     argv += ["--model", "gcn", "--epochs", "2", "--gact"]
-    recs = {lvl: run_main("gnn.train_gnn", [*argv, "--level", lvl]) for lvl in ("L2", "L3")}
+    recs = {lvl: script(GNN).main([*argv, "--level", lvl]) for lvl in ("L2", "L3")}
     check_record(recs["L3"], "L3")
     assert recs["L3"]["stored_bytes"] == recs["L2"]["stored_bytes"]
     assert recs["L3"]["final_metric"] == recs["L2"]["final_metric"]
+
+
+def test_missing_data_folder_is_a_usage_error(script, monkeypatch, capsys):
+    monkeypatch.delenv("GACT_DATA", raising=False)
+    with pytest.raises(SystemExit) as exc:
+        script(GNN).main(["--epochs", "1"])
+    assert exc.value.code == 2 and "--data" in capsys.readouterr().err

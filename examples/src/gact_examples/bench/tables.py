@@ -1,0 +1,324 @@
+"""The examples section of BENCHMARKS.md: one function per table, assembled by :func:`render`.
+
+``results`` is what ``examples/bench.py`` collects: ``{"train": {example: {level: [record,
+...]}}, "mem": {...}, "max_batch": {example: {level: batch}}, "failures": [str], "missing":
+[str], "wall_s": float | None}``, records being the scripts' JSON records.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..levels import BASELINE, level_label
+from ..runs import fmt_mean_std, mean_std
+from .specs import TARGETS, Example, Plan, command_template
+
+__all__ = [
+    "BEGIN",
+    "END",
+    "Check",
+    "activation_table",
+    "max_batch_table",
+    "memory_table",
+    "metric_table",
+    "render",
+    "speed_table",
+    "write_markdown",
+]
+
+BEGIN, END = "<!-- examples:begin -->", "<!-- examples:end -->"
+MIB = 1 / 2**20
+Records = Sequence[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Check:
+    """One row of the targets checklist."""
+
+    name: str
+    measured: str
+    target: str
+    met: str
+
+
+def _stat(recs: Records, key: str, scale: float = 1.0) -> tuple[float, float, int]:
+    m, s, n = mean_std([r.get(key) for r in recs])
+    return m * scale, s * scale, n
+
+
+def _runs(results: dict[str, Any], kind: str, ex: Example) -> dict[str, list[dict[str, Any]]]:
+    return results[kind].get(ex.name, {})
+
+
+def _first(runs: dict[str, list[dict[str, Any]]], level: str) -> dict[str, Any] | None:
+    return (runs.get(level) or [None])[0]
+
+
+def _header(first: str, levels: Sequence[str], *rest: str) -> list[str]:
+    cols = [first, *(level_label(lv) for lv in levels), *rest]
+    return ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+
+
+def _row(cells: Sequence[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _yes_no(met: bool, checked: bool = True) -> str:
+    if met:
+        return "yes"
+    return "**no**" if checked else "no"
+
+
+def metric_table(plan: Plan, results: dict[str, Any]) -> tuple[list[str], list[Check]]:
+    """Final metric per level (mean ± std over seeds) and the L2 gap to fp32 against its target."""
+    lines = ["### Final metric (test accuracy %, or validation loss in nats/char)\n"]
+    lines += _header("example", plan.levels, "L2 − fp32", "target", "met")
+    checks = []
+    for ex in plan.examples:
+        runs, metric = _runs(results, "train", ex), ex.metric
+        cells = [ex.title]
+        for level in plan.levels:
+            m, s, n = _stat(runs.get(level, []), "final_metric", metric.scale)
+            partial = f" (n={n})" if n and n != plan.seeds else ""
+            cells.append(fmt_mean_std(m, s, metric.digits) + partial)
+        fp32 = _stat(runs.get(BASELINE, []), "final_metric", metric.scale)[0]
+        l2 = _stat(runs.get("L2", []), "final_metric", metric.scale)[0]
+        gap = metric.gap(fp32, l2)
+        target = metric.target_text(ex.target)
+        met = "n/a" if math.isnan(gap) else _yes_no(metric.meets(gap, ex.target), ex.checked)
+        gap_text = f"{gap:+.2f} {metric.gap_unit}"
+        if ex.checked:
+            checks.append(Check(f"{ex.title}: L2 metric gap", gap_text, target, met))
+        else:
+            target = f"(none; {target} for reference)"
+        lines.append(_row([*cells, gap_text, target, met]))
+    return [*lines, ""], checks
+
+
+def activation_table(plan: Plan, results: dict[str, Any]) -> tuple[list[str], list[Check]]:
+    """Saved activations per step at fp32 and each level's compression ratio and stored bytes."""
+    lines = ["### Saved activations per training step (from `controller.stats()`)\n"]
+    lines += _header("example", plan.levels)
+    checks = []
+    for ex in plan.examples:
+        runs = _runs(results, "train", ex)
+        cells = [ex.title]
+        for level in plan.levels:
+            stored, _, n = _stat(runs.get(level, []), "stored_bytes", MIB)
+            if level == BASELINE or n == 0:
+                cells.append("n/a" if n == 0 else f"{stored:.2f} MiB")
+                continue
+            ratio, ratio_std, _ = _stat(runs[level], "compression_ratio")
+            cells.append(f"{fmt_mean_std(ratio, ratio_std, 1, '×')} ({stored:.2f} MiB)")
+            need = TARGETS.get(f"{level}_ratio")
+            if need is not None:
+                met = _yes_no(ratio >= need)
+                checks.append(
+                    Check(f"{ex.title}: {level} compression", f"{ratio:.1f}×", f"≥ {need:g}×", met)
+                )
+        lines.append(_row(cells))
+    lines.append(
+        "\nfp32: bytes autograd saved in the last training step of the fp32 (L0) run. Other "
+        "levels: compression ratio (original_bytes / stored_bytes of the same run's last step: "
+        "the fp32 bytes of every distinct saved tensor over what GACT kept, per-group metadata "
+        "included; integer tensors are kept and count on both sides) and the stored bytes.\n"
+    )
+    return lines, checks
+
+
+def speed_table(plan: Plan, results: dict[str, Any]) -> list[str]:
+    """Median step time and throughput of the training runs."""
+    lines = ["### Median step time and throughput (training runs)\n"]
+    lines += _header("example", plan.levels, "unit")
+    for ex in plan.examples:
+        runs = _runs(results, "train", ex)
+        cells = [ex.title]
+        for level in plan.levels:
+            ms = _stat(runs.get(level, []), "step_time_s", 1e3)[0]
+            rate = _stat(runs.get(level, []), "throughput")[0]
+            cells.append("n/a" if math.isnan(ms) else f"{ms:.1f} ms ({rate:,.0f}/s)")
+        units = [r.get("throughput_unit", "") for recs in runs.values() for r in recs]
+        lines.append(_row([*cells, next(iter(units), "")]))
+    lines.append(
+        "\nStep time = forward + backward (+ compression, and the sensitivity probes on the steps "
+        "where an adaptive level runs them; the median hides those). The CPU was shared with "
+        "other jobs during the run, so step times are indicative only.\n"
+    )
+    return lines
+
+
+def memory_table(plan: Plan, results: dict[str, Any]) -> tuple[list[str], list[Check]]:
+    """Peak memory of the activation-dominated memory runs, and fp32 / L2 against its target."""
+    examples = [ex for ex in plan.examples if _runs(results, "mem", ex)]
+    if not examples:
+        return [], []
+    lines = ["### Peak memory, activation-dominated configurations (`--get-mem`, seed 0)\n"]
+    lines += _header("example (config)", plan.levels, "fp32 / L2", "target")
+    checks, need = [], TARGETS["peak_reduction"]
+    for ex in examples:
+        runs = _runs(results, "mem", ex)
+        config = " ".join(ex.mem or ())
+        cells = [f"{ex.title} (`{config}`)"]
+        for level in plan.levels:
+            r = _first(runs, level)
+            cells.append(
+                "n/a"
+                if r is None
+                else f"+{r['peak_memory_delta_bytes'] * MIB:.0f} MiB "
+                f"(saved {r['stored_bytes'] * MIB:.0f} MiB)"
+            )
+        fp32, l2 = _first(runs, BASELINE), _first(runs, "L2")
+        reduction = (
+            fp32["peak_memory_delta_bytes"] / max(1, l2["peak_memory_delta_bytes"])
+            if fp32 and l2
+            else math.nan
+        )
+        met = "n/a" if math.isnan(reduction) else _yes_no(reduction >= need)
+        checks.append(
+            Check(
+                f"{ex.title}: peak memory fp32/L2 ({config})",
+                f"{reduction:.2f}×",
+                f"≥ {need:g}×",
+                met,
+            )
+        )
+        lines.append(_row([*cells, f"{reduction:.2f}×", f"≥ {need:g}×"]))
+    method = next(
+        (
+            recs[0].get("memory_method")
+            for per in results["mem"].values()
+            for recs in per.values()
+            if recs
+        ),
+        "",
+    )
+    lines.append(
+        f"\nPeak = {method}, minus the resident size just before training (data, model, "
+        "interpreter). Peak memory falls much less than saved activations: weights, gradients, "
+        "optimizer state and the backward pass's working set are not compressed. Only the "
+        "configurations here are activation-dominated; the training runs' peaks are in the JSON "
+        "records.\n"
+    )
+    return lines, checks
+
+
+def max_batch_table(plan: Plan, results: dict[str, Any]) -> list[str]:
+    """Largest batch that fits per level (GPU only)."""
+    if not results["max_batch"]:
+        return [
+            "Max-batch search (binary search in subprocesses until CUDA OOM) runs only on a GPU; "
+            "this run had none.\n"
+        ]
+    lines = ["### Largest batch that fits (GPU, binary search until OOM)\n"]
+    lines += _header("example", plan.levels)
+    titles = {ex.name: ex.title for ex in plan.examples}
+    for name, per_level in results["max_batch"].items():
+        lines.append(
+            _row([titles.get(name, name), *(str(per_level.get(lv, "n/a")) for lv in plan.levels)])
+        )
+    return [*lines, ""]
+
+
+def _targets_table(checks: Sequence[Check]) -> list[str]:
+    lines = ["### Targets\n", "| check | measured | target | met |", "|---|---|---|---|"]
+    lines += [_row([c.name, c.measured, c.target, c.met]) for c in checks]
+    return [*lines, ""]
+
+
+def _bench_command(plan: Plan) -> str:
+    quick = ["--quick"] if plan.quick else []
+    return shlex.join(
+        ["python", "examples/bench.py", "--data", "DATA", *quick, "--seeds", str(plan.seeds)]
+    )
+
+
+def _commands(plan: Plan) -> list[str]:
+    lines = [
+        "### Commands\n",
+        f"Each cell above is one run of (LEVEL ∈ {', '.join(plan.levels)}; "
+        f"SEED ∈ 0..{plan.seeds - 1}):\n",
+        "```",
+        *(command_template(ex, plan, "train") for ex in plan.examples),
+    ]
+    if plan.memory:
+        lines += [command_template(ex, plan, "mem") for ex in plan.examples if ex.mem]
+    lines += [
+        "```\n",
+        f'Whole benchmark: `{_bench_command(plan)}` (or `nox -s "bench(examples)"`). Plots: '
+        "`plots/examples_metric.png`, `plots/examples_memory.png`.\n",
+    ]
+    return lines
+
+
+def _intro(plan: Plan, results: dict[str, Any], machine: dict[str, Any]) -> list[str]:
+    if results["wall_s"] is not None:
+        wall = f"wall time {results['wall_s'] / 60:.1f} min"
+    else:
+        recs = [
+            r
+            for kind in ("train", "mem")
+            for per in results[kind].values()
+            for rs in per.values()
+            for r in rs
+        ]
+        minutes = sum(r.get("train_time_s") or 0 for r in recs) / 60
+        wall = (
+            f"report regenerated from saved records; their training time sums to {minutes:.1f} min"
+        )
+    lines = [
+        "## Examples: accuracy, activation memory and speed per GACT level\n",
+        f"Generated by `{_bench_command(plan)}` on {time.strftime('%Y-%m-%d %H:%M %Z')} ({wall}). "
+        f"Numbers are mean ± std over {plan.seeds} seed(s) unless marked (n=). fp32 = level L0: "
+        "GACT's hooks are installed and count every saved tensor but store it unchanged, so saved "
+        "activations are measured by the same code at every level.\n",
+        "**Machine**: " + ", ".join(f"{k} {v}" for k, v in machine.items()) + "\n",
+    ]
+    if results.get("missing"):
+        lines.append(
+            f"**Not run** ({len(results['missing'])} of the planned runs; the benchmark was "
+            "stopped before them, tables use the completed seeds, n shown where fewer): "
+            + "; ".join(results["missing"])
+            + "\n"
+        )
+    if results["failures"]:
+        lines.append(
+            "**Failed runs** (excluded from the tables): " + "; ".join(results["failures"]) + "\n"
+        )
+    return lines
+
+
+def render(plan: Plan, results: dict[str, Any], machine: dict[str, Any]) -> str:
+    """The whole examples section, between :data:`BEGIN` and :data:`END`."""
+    metric_lines, metric_checks = metric_table(plan, results)
+    activation_lines, activation_checks = activation_table(plan, results)
+    memory_lines, memory_checks = memory_table(plan, results)
+    lines = [
+        BEGIN,
+        *_intro(plan, results, machine),
+        *metric_lines,
+        *activation_lines,
+        *speed_table(plan, results),
+        *memory_lines,
+        *max_batch_table(plan, results),
+        *_targets_table([*metric_checks, *activation_checks, *memory_checks]),
+        *_commands(plan),
+        END,
+    ]
+    return "\n".join(lines)
+
+
+def write_markdown(path: Path, section: str) -> None:
+    """Put ``section`` between the markers of ``path`` (appended when they are missing)."""
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    if BEGIN in text and END in text:
+        before, rest = text.split(BEGIN, 1)
+        text = before + section + rest.split(END, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    path.write_text(text)

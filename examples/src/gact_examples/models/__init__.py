@@ -1,0 +1,15 @@
+"""The example models, in plain PyTorch: nothing in them knows about GACT.
+
+Example:
+    >>> import torch
+    >>> ResNetSmall(in_channels=1, num_classes=10, width=8)(torch.randn(2, 1, 16, 16)).shape
+    torch.Size([2, 10])
+"""
+
+from __future__ import annotations
+
+from .char_gpt import CharGPT
+from .gnn import GNN, Graph
+from .resnet import ResNetSmall
+
+__all__ = ["GNN", "CharGPT", "Graph", "ResNetSmall"]

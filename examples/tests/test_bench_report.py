@@ -1,0 +1,114 @@
+"""The benchmark's tables, BENCHMARKS.md markers and plots, from synthetic records."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gact_examples.bench import plots, tables
+from gact_examples.bench.specs import EXAMPLES, Plan, command_template
+
+LEVELS = ("L0", "L1", "L2", "L2.2")
+RATIO = {"L0": 1, "L1": 8, "L2": 8, "L2.2": 16}
+BY_NAME = {ex.name: ex for ex in EXAMPLES}
+
+
+def _rec(level: str, metric: float | None, orig: int, seed: int) -> dict[str, Any]:
+    stored = orig // RATIO[level]
+    return {
+        "level": level,
+        "final_metric": metric,
+        "original_bytes": orig,
+        "stored_bytes": stored,
+        "compression_ratio": orig / stored,
+        "step_time_s": 0.01,
+        "throughput": 100.0,
+        "throughput_unit": "images/s",
+        "peak_memory_delta_bytes": stored * 3 + 10,
+        "memory_method": "test",
+        "seed": seed,
+        "train_time_s": 1.0,
+    }
+
+
+@pytest.fixture
+def plan() -> Plan:
+    return Plan(tuple(BY_NAME[n] for n in ("gcn", "cifar10", "text")), LEVELS, seeds=2, quick=True)
+
+
+@pytest.fixture
+def results() -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "train": {},
+        "mem": {},
+        "max_batch": {},
+        "failures": ["x failed"],
+        "missing": [],
+        "wall_s": 60.0,
+    }
+    for name, metric in (("gcn", 0.8), ("cifar10", 0.45), ("text", 2.0)):
+        out["train"][name] = {
+            lv: [_rec(lv, metric - 0.01 * s, 1000, s) for s in range(2)] for lv in LEVELS
+        }
+    out["mem"]["text"] = {lv: [_rec(lv, None, 10**8, 0)] for lv in LEVELS}
+    return out
+
+
+def test_render_tables(plan, results):
+    section = tables.render(plan, results, {"cpu": "test", "cores": 2})
+    assert section.startswith(tables.BEGIN) and section.endswith(tables.END)
+    assert "GCN / Cora" in section and "char-GPT" in section and "x failed" in section
+    assert "79.50 ± 0.71" in section  # mean ± std over the two seeds, in percent
+    assert "8.0× (0.00 MiB)" in section  # L1 ratio and stored bytes
+    # CIFAR-10's accuracy gap is shown for reference only: not in the checklist
+    targets = section.split("### Targets")[1].split("### Commands")[0]
+    assert "CIFAR-10 (JPEG): L2 metric gap" not in targets
+    assert "GCN / Cora: L2 metric gap" in targets
+    assert "(none; ≥ −1 pt for reference)" in section
+
+
+def test_metric_gap_and_checks(plan, results):
+    results["train"]["gcn"]["L2"] = [_rec("L2", 0.79, 1000, s) for s in range(2)]
+    _, checks = tables.metric_table(plan, results)
+    gcn = next(c for c in checks if c.name.startswith("GCN"))
+    # fp32 mean 79.5 %, L2 79.0 %: -0.5 points is within the 0.5-point target
+    assert gcn.measured == "-0.50 pt" and gcn.met == "yes"
+    text = next(c for c in checks if c.name.startswith("char-GPT"))
+    assert text.measured == "+0.00 %" and text.target == "≤ +2 %"
+
+
+def test_memory_table_checks_peak_reduction(plan, results):
+    lines, checks = tables.memory_table(plan, results)
+    (check,) = checks
+    # peak delta = 3 * stored + 10: fp32 / L2 is close to the 8x compression, above the 3x target
+    assert check.met == "yes" and float(check.measured.rstrip("×")) == pytest.approx(8.0, rel=1e-3)
+    assert any("falls much less" in line for line in lines)
+
+
+def test_partial_seeds_are_marked(plan, results):
+    results["train"]["gcn"]["L1"] = results["train"]["gcn"]["L1"][:1]
+    lines, _ = tables.metric_table(plan, results)
+    assert "(n=1)" in next(line for line in lines if line.startswith("| GCN"))
+
+
+def test_markdown_markers_replace_in_place(tmp_path: Path, plan, results):
+    section = tables.render(plan, results, {"cpu": "test"})
+    md = tmp_path / "BENCHMARKS.md"
+    md.write_text("# Benchmarks\n\nkernels section\n")
+    tables.write_markdown(md, section)
+    tables.write_markdown(md, section.replace("GCN / Cora", "GCN again"))
+    text = md.read_text()
+    assert text.count(tables.BEGIN) == 1 and "kernels section" in text and "GCN again" in text
+
+
+def test_command_templates_point_at_the_scripts(plan):
+    cmd = command_template(BY_NAME["text"], plan, "mem")
+    assert cmd.startswith("python examples/text/train_char_gpt.py --data DATA --n-layer 6")
+    assert "--get-mem" in cmd and "--level LEVEL" in cmd and "--seed SEED" in cmd
+
+
+def test_plots_are_written(tmp_path: Path, plan, results):
+    written = plots.plot(plan, results, tmp_path)
+    assert [p.name for p in written] == ["examples_metric.png", "examples_memory.png"]
+    assert all(p.stat().st_size > 1000 for p in written)
