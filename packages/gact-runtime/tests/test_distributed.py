@@ -81,3 +81,62 @@ def test_ddp_ranks_agree_on_bits_and_weights(bucket_view: bool) -> None:
     assert bits0 and bits0 == bits1
     assert params0 == params1  # the replicas stayed identical through probes and steps
     assert kept0 and kept1  # probes did not overwrite the real step's (bucket-view) gradients
+
+
+def _fsdp_worker(rank: int, port: int, queue: mp.SimpleQueue) -> None:
+    from gact import Controller, GactConfig
+    from gact.ledger import Kind
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10)
+        )
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(100 + rank)
+        x, y = torch.randn(64, 64, generator=g), torch.randint(0, 10, (64,), generator=g)
+
+        def closure() -> None:
+            loss = F.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+
+        cfg = GactConfig.from_level("L2", min_numel=0, adapt_interval=2)
+        with Controller(model, cfg) as controller:
+            for _ in range(4):
+                controller.iterate(closure)  # adapts at steps 0 and 2
+                optimizer.step()
+        full = torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()])
+        records = controller.ledger.last.values()
+        parameter_shapes = {(10, 128), (128, 128), (128, 64), (128,), (10,)}
+        quantized_shapes = {r.shape for r in records if r.kind is Kind.QUANTIZED}
+        queue.put(
+            (
+                rank,
+                dict(controller.plan.bits),
+                hashlib.sha256(full.numpy().tobytes()).hexdigest(),
+                controller.stats()["parameter_saves"] > 0,
+                not quantized_shapes & parameter_shapes,
+            )
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_fsdp_ranks_agree_on_bits_and_weights() -> None:
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.start_processes(_fsdp_worker, args=(_free_port(), queue), nprocs=WORLD, start_method="spawn")
+    results = sorted(queue.get() for _ in range(WORLD))
+    (_, bits0, params0, saw0, clean0), (_, bits1, params1, saw1, clean1) = results
+    assert bits0 and bits0 == bits1  # same sketch sums, same estimates, same widths
+    assert params0 == params1
+    assert saw0 and saw1 and clean0 and clean1  # unsharded parameters seen, never quantized

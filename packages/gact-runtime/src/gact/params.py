@@ -43,6 +43,16 @@ _CAST_OR_VIEW = frozenset(
 _MAX_DEPTH = 8
 
 
+def _storage(tensor: torch.Tensor) -> int:
+    """The data pointer of ``tensor``'s storage (of its local shard for a DTensor); 0 if none."""
+    local = getattr(tensor, "to_local", None)  # FSDP2 / tensor-parallel parameters
+    if local is not None:
+        tensor = local()
+    if tensor.layout is not torch.strided or type(tensor) not in (torch.Tensor, nn.Parameter):
+        return 0
+    return tensor.untyped_storage().data_ptr()
+
+
 class ParameterFilter:
     """Callable that says whether a saved tensor is a parameter or buffer of ``model``.
 
@@ -61,9 +71,7 @@ class ParameterFilter:
         params = list(self._model.parameters())
         self._state_ids = frozenset(id(t) for t in itertools.chain(params, self._model.buffers()))
         self._storages = frozenset(
-            ptr
-            for t in itertools.chain(params, self._model.buffers())
-            if t.layout is torch.strided and (ptr := t.untyped_storage().data_ptr()) != 0
+            ptr for t in itertools.chain(params, self._model.buffers()) if (ptr := _storage(t))
         )
 
     def __call__(self, tensor: torch.Tensor) -> bool:

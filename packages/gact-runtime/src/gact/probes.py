@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .plan import mix_seed
@@ -31,6 +32,7 @@ def _copy_if_shared(grad: torch.Tensor | None) -> torch.Tensor | None:
     """A copy of ``grad`` if it is a view into a larger storage (a DDP bucket view)."""
     if grad is None:
         return None
+    grad = _local(grad)
     shared = grad._base is not None or grad.untyped_storage().nbytes() > grad.nbytes
     return grad.detach().clone() if shared else None
 
@@ -70,7 +72,7 @@ class ProbeGuard:
                 buf.copy_(value)
             for p, grad, value in self._grads:
                 if value is not None:
-                    grad.copy_(value)
+                    _local(grad).copy_(value)
                 p.grad = grad
         for module, training in self._modes:
             module.training = training
@@ -109,9 +111,12 @@ class GradientSketch:
     def __init__(self, model: nn.Module, *, width: int = 1 << 18, seed: int = 0) -> None:
         self._params = list(model.parameters())
         total = sum(p.numel() for p in self._params)
-        self.exact = total <= width
+        # Sharded parameters (FSDP2, DTensor): every rank sketches its own shards with its own
+        # draws and the sketches are summed over the process group.
+        self._sharded = any(hasattr(p, "to_local") for p in self._params)
+        self.exact = total <= width and not self._sharded
         self.width = total if self.exact else width
-        self._seed = seed
+        self._seed = mix_seed(seed, dist.get_rank()) if self._sharded else seed
 
     def __call__(self) -> np.ndarray:
         """The sketch of the current gradients, as float64."""
@@ -125,7 +130,7 @@ class GradientSketch:
         for i, p in enumerate(self._params):
             if p.grad is None:
                 continue
-            flat = p.grad.detach().reshape(-1)
+            flat = _local(p.grad).detach().reshape(-1)
             acc = out.setdefault(flat.device, torch.zeros(self.width, device=flat.device))
             for c in range(math.ceil(flat.numel() / _CHUNK)):
                 part = flat[c * _CHUNK : (c + 1) * _CHUNK].float()
@@ -133,5 +138,15 @@ class GradientSketch:
                 bucket = torch.randint(self.width, part.shape, generator=gen, device=part.device)
                 sign = torch.randint(2, part.shape, generator=gen, device=part.device) * 2 - 1
                 acc.index_add_(0, bucket, part * sign)
-        total = sum((t.cpu().double() for t in out.values()), torch.zeros(self.width).double())
+        total = torch.zeros(self.width, dtype=torch.float64)
+        for acc in out.values():
+            if self._sharded:
+                dist.all_reduce(acc)
+            total += acc.cpu().double()
         return total.numpy()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor; any other tensor as it is."""
+    local = getattr(tensor, "to_local", None)
+    return tensor if local is None else local()
