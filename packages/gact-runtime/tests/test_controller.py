@@ -340,3 +340,17 @@ def test_original_gact_loop_runs_each_forward_once(level: str) -> None:
     assert len(calls) >= probes and (len(calls) == 0) == (level == "L1")
     assert controller.stats()["step"] == 3
     assert controller.stats()["adaptations"] == (1 if level == "L2" else 0)
+
+
+def test_torch_func_runs_while_the_controller_is_paused() -> None:
+    model, x, _ = make_case("mlp")
+    with Controller(model, GactConfig.from_level("L1", min_numel=0)) as controller:
+        loss = model(x).sum()  # saved while installed: compressed
+        with pytest.raises(RuntimeError, match="don't yet support saved tensor hooks"):
+            torch.func.grad(lambda t: model(t).sum())(x)
+        with controller.paused():
+            grad = torch.func.grad(lambda t: model(t).sum())(x)
+        assert controller.installed
+        loss.backward()
+        controller.step()
+    assert grad.shape == x.shape and controller.stats()["compressed_tensors"] > 0

@@ -315,3 +315,22 @@ def test_expanded_views_are_counted_by_storage_and_kept() -> None:
         controller.step()
     expanded = [r for r in controller.ledger.last.values() if r.shape == (512, 64)]
     assert any(r.kind is Kind.KEPT and r.original_bytes == 64 * 4 for r in expanded)
+
+
+def test_integer_saves_are_packed_losslessly() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(1000, 16), nn.Flatten(), nn.Linear(16 * 64, 4))
+    idx = torch.randint(0, 1000, (32, 64))
+
+    def closure() -> None:
+        model.zero_grad()
+        model(idx).sum().backward()  # the embedding saves its int64 indices
+
+    closure()
+    exact = model[0].weight.grad.clone()
+    with Controller(model, GactConfig.from_level("L1", min_numel=0)) as controller:
+        controller.iterate(closure)
+    packed = [r for r in controller.ledger.last.values() if r.kind is Kind.PACKED]
+    assert packed and all(r.dtype == torch.int64 for r in packed)
+    assert all(r.stored_bytes * 4 < r.original_bytes for r in packed)  # 10 bits, not 64
+    assert torch.equal(model[0].weight.grad, exact)  # the gradient only reads the indices

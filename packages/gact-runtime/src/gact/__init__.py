@@ -9,7 +9,8 @@ Example::
     >>> import torch, gact
     >>> from gact.controller import Controller
     >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU())
-    >>> gact.set_optimization_level("L2")
+    >>> gact.set_optimization_level("L2").level
+    'L2'
     >>> controller = Controller(model)
     >>> controller.install_hook()
     >>> model(torch.randn(8, 64)).sum().backward()

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import warnings
 import weakref
+from collections.abc import Iterator
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -197,6 +199,30 @@ class Controller:
         installed_hooks().remove(self.hooks)
         _INSTALLED.discard(self)
         self.tracker.detach()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Uninstall the hooks for the body of a ``with`` block, then install them again.
+
+        For code that refuses saved-tensor hooks (``torch.func.grad``, ``vjp``, ``jacrev``,
+        ``hessian``) in the middle of training. Tensors saved before stay compressed.
+
+        Example::
+
+            >>> import torch
+            >>> from gact import Controller, GactConfig
+            >>> model = torch.nn.Linear(8, 1)
+            >>> with Controller(model, GactConfig.from_level("L1")) as controller:
+            ...     with controller.paused():
+            ...         grad = torch.func.grad(lambda x: model(x).sum())(torch.randn(8))
+            >>> grad.shape
+            torch.Size([8])
+        """
+        self.uninstall_hook()
+        try:
+            yield
+        finally:
+            self.install_hook()
 
     def __enter__(self) -> Controller:
         self.install_hook()

@@ -118,9 +118,13 @@ class ScopeTracker:
 
     Example::
 
+        >>> model = nn.Sequential(nn.Linear(4, 4))
         >>> tracker = ScopeTracker(model, on_root_forward=lambda: None)
+        >>> _ = model[0].register_forward_hook(  # runs before the tracker leaves model[0]
+        ...     lambda m, a, out: print(tracker.next_key(out)))
         >>> tracker.attach()
-        >>> key = tracker.next_key(tensor)   # inside a forward
+        >>> _ = model(torch.randn(2, 4))
+        0#0:float32:2d
         >>> tracker.detach()
     """
 
