@@ -15,9 +15,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .errors import GactWarning
-from .ledger import Kind, Ledger, SiteRecord
-from .plan import BitPlan, ProbeOverride, mix_seed
-from .probes import GradientSketch, ProbeGuard
+from .ledger import Kind, SiteRecord
+from .plan import BitPlan, mix_seed
+from .probes import ProbeSession
 from .saved import SaveHooks
 
 __all__ = ["Adapter", "Items"]
@@ -80,7 +80,6 @@ class Adapter:
         self._hooks = hooks
         self.count = 0
         self.seconds = 0.0
-        self.probing = False
         self._warned_budget = False
 
     def adapt(
@@ -131,30 +130,18 @@ class Adapter:
     ) -> np.ndarray:
         """Run the probes (see NOTE [Probes leave no trace]) and estimate sensitivities."""
         plan, cfg = self._plan, self._plan.config
-        index = {k: i for i, k in enumerate(items.keys)}
         probe_bits = np.array(
             [min(plan.bits.get(k, plan.default_bits), 8) for k in items.keys], dtype=np.int64
         )
-        fallback = mix_seed(cfg.seed, plan.step, 0xADA)
-        ledger = self._hooks.ledger
-        sketch = GradientSketch(self._model, seed=mix_seed(cfg.seed, plan.step, 0x5CE))
-        self.probing = True
-        with ProbeGuard(self._model) as guard:
+        seed = mix_seed(cfg.seed, plan.step)
+        with ProbeSession(
+            self._model, plan, self._hooks, closure, run_closure, items.keys, seed=seed
+        ) as session:
 
             def grad(probe: gact_policy.ProbeConfig) -> np.ndarray:
-                plan.probe = ProbeOverride(index, probe.bits, probe.seeds, fallback)
-                guard.reset_rng()
-                guard.clear_grads()
-                self._hooks.ledger = Ledger()
-                run_closure(closure)
-                return sketch()
+                return session.grad(probe.bits, probe.seeds)
 
-            try:
-                return self._estimate(grad, probe_bits)
-            finally:
-                plan.probe = None
-                self._hooks.ledger = ledger
-                self.probing = False
+            return self._estimate(grad, probe_bits)
 
     def _allocate(self, items: Items, sensitivity: np.ndarray) -> np.ndarray:
         """Widths minimising the predicted variance within the level's average or the

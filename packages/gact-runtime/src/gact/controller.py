@@ -238,7 +238,7 @@ class Controller:
             self.installed
             and torch.is_grad_enabled()
             and self.hooks not in installed_hooks()
-            and self.adapter.probing is False
+            and not self.hooks.probing
         ):
             self._warn_once(
                 "thread",

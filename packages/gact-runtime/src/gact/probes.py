@@ -4,15 +4,20 @@ return (a fixed-size sketch of the gradient)."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .plan import mix_seed
+from .ledger import Ledger
+from .plan import BitPlan, ProbeOverride, mix_seed
 
-__all__ = ["GradientSketch", "ProbeGuard"]
+if TYPE_CHECKING:
+    from .saved import SaveHooks
+
+__all__ = ["GradientSketch", "ProbeGuard", "ProbeSession"]
 
 # NOTE [Probes leave no trace]
 # A probe is one extra run of the user's closure with chosen bits and seeds. Around all probes
@@ -150,3 +155,67 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor; any other tensor as it is."""
     local = getattr(tensor, "to_local", None)
     return tensor if local is None else local()
+
+
+class ProbeSession:
+    """Runs ``closure`` with chosen bits and seeds per item, leaving no trace.
+
+    Inside ``with ProbeSession(...) as session:``, ``session.grad(bits, seeds)`` runs one probe
+    (forward and backward on the closure's batch) with item ``i`` (``keys[i]``) stored at
+    ``bits[i]`` bits (``>= 16``: kept at full precision) with seed ``seeds[i]``, and returns
+    the gradient's sketch. The open step's ledger is swapped out meanwhile, so ``stats()``
+    never counts probes.
+
+    Args:
+        model: the model being trained.
+        plan: the controller's bit plan (its probe override is set per probe).
+        hooks: the controller's hooks.
+        closure: forward, loss and backward on the probe batch.
+        run_closure: runs a closure and checks that it ran a backward.
+        keys: the items' save-site keys.
+        seed: seeds the sketch and the seeds of keys that are not items.
+        sketch_width: see ``GradientSketch``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: BitPlan,
+        hooks: SaveHooks,
+        closure: Callable[[], Any],
+        run_closure: Callable[[Callable[[], Any]], Any],
+        keys: list[str],
+        *,
+        seed: int,
+        sketch_width: int = 1 << 18,
+    ) -> None:
+        self._model, self._plan, self._hooks = model, plan, hooks
+        self._closure, self._run_closure = closure, run_closure
+        self._index = {k: i for i, k in enumerate(keys)}
+        self._fallback = mix_seed(seed, 0xADA)
+        self.sketch = GradientSketch(model, width=sketch_width, seed=mix_seed(seed, 0x5CE))
+        self.runs = 0
+
+    def __enter__(self) -> ProbeSession:
+        self._guard = ProbeGuard(self._model).__enter__()
+        self._ledger = self._hooks.ledger
+        self._hooks.probing = True
+        return self
+
+    def grad(self, bits: np.ndarray, seeds: np.ndarray) -> np.ndarray:
+        """One probe: the sketch of the gradient with these bits and seeds per item."""
+        self._plan.probe = ProbeOverride(self._index, bits, seeds, self._fallback)
+        self._guard.reset_rng()
+        self._guard.clear_grads()
+        self._hooks.ledger = Ledger()
+        self.runs += 1
+        try:
+            self._run_closure(self._closure)
+        finally:
+            self._plan.probe = None
+        return self.sketch()
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.ledger = self._ledger
+        self._hooks.probing = False
+        self._guard.__exit__(*exc)

@@ -254,6 +254,7 @@ class SaveHooks:
         self.swapper = swapper
         self.live = _LiveTable()
         self.unpacked = 0  # unpack calls so far: tells whether a closure ran a backward
+        self.probing = False  # a ProbeSession is running its probes
         self.on_compiled: Callable[[], None] = lambda: None  # set by the Controller
         self._warned_missed: set[str] = set()
 
