@@ -1,54 +1,130 @@
-"""Allocator: examples, edge cases and hypothesis properties (budget, optimality, monotonicity)."""
+"""Allocator: brute-force optimality, adversarial properties, edge cases and determinism."""
 
-import itertools
+import dataclasses
 
 import numpy as np
 import pytest
-from gact_policy import allocate_bits, predicted_variance, storage_bits
+from gact_policy import (
+    Allocation,
+    allocate,
+    allocate_bits,
+    min_storage_bits,
+    predicted_variance,
+    storage_bits,
+)
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from policy_helpers import (
+    WIDTHS,
+    adversarial_sensitivities,
+    adversarial_sizes,
+    brute_force,
+    scaled,
+)
 
-WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 16)
-
-
-def brute_force(c, n, budget, choices, overhead, full_bits=32):
-    rep = [b if b < 16 else full_bits for b in choices]
-    best = None
-    for combo in itertools.product(rep, repeat=len(c)):
-        if storage_bits(n, combo, full_bits=full_bits, overhead_bits=overhead) <= budget:
-            val = predicted_variance(c, combo)
-            best = val if best is None else min(best, val)
-    return best
-
+TOL = 1e-9  # relative rounding tolerance of the exact search
 
 sens = st.one_of(st.just(0.0), st.floats(1e-6, 1e6), st.sampled_from([1.0, 2.0]))
+overheads = st.sampled_from([0.0, 0.25, 0.5, 1.3])
 instance = st.integers(1, 5).flatmap(
     lambda k: st.tuples(
         st.lists(sens, min_size=k, max_size=k),
         st.lists(st.integers(0, 64), min_size=k, max_size=k),
         st.lists(st.sampled_from(WIDTHS), min_size=1, max_size=5, unique=True),
-        st.sampled_from([0.0, 0.25, 0.5, 1.3]),
+        st.one_of(overheads, st.lists(overheads, min_size=k, max_size=k)),
+        st.lists(st.sampled_from([16, 32]), min_size=k, max_size=k),
         st.floats(0.0, 34.0),
     )
 )
 
 
+def check_bound(a: Allocation, best: float) -> None:
+    """``a`` is feasible-looking and its reported gap bounds its true distance to ``best``."""
+    assert a.storage_bits <= a.budget_bits
+    assert a.lower_bound <= best * (1 + TOL) + 1e-300
+    assert a.variance - best <= a.gap + TOL * best + 1e-300
+    if a.optimal:
+        assert a.gap == 0.0
+        assert a.variance <= best * (1 + TOL) + 1e-300
+
+
 @settings(max_examples=300, deadline=None)
-@given(instance, st.sampled_from(["exact", "greedy"]))
-def test_optimal_vs_brute_force_and_budget(inst, method) -> None:
-    c, n, choices, overhead, avg = inst
+@given(instance, st.sampled_from([None, 0, 400]))
+def test_small_instances_match_brute_force(inst, max_states) -> None:
+    c, n, choices, overhead, full, avg = inst
     budget = np.floor(avg * sum(n) + 1e-6)
-    best = brute_force(c, n, budget, choices, overhead)
+    kw = dict(choices=choices, overhead_bits=overhead, full_bits=full)
+    best = brute_force(scaled(c), n, budget, choices, overhead, full)
     if best is None:
         with pytest.raises(ValueError, match="minimum achievable average"):
-            allocate_bits(c, n, avg, choices=choices, overhead_bits=overhead, method=method)
+            allocate(c, n, avg, **kw)
         return
-    bits = allocate_bits(c, n, avg, choices=choices, overhead_bits=overhead, method=method)
-    assert storage_bits(n, bits, overhead_bits=overhead) <= budget
-    allowed = {b if b < 16 else 32 for b in choices}
-    assert set(bits.tolist()) <= allowed
-    if method == "exact":
-        assert predicted_variance(c, bits) <= best * (1 + 1e-9) + 1e-300
+    greedy = allocate(c, n, avg, method="greedy", **kw)
+    exact = allocate(c, n, avg, max_states=max_states, **kw)
+    for a in (greedy, exact):
+        check_bound(a, best)
+        assert a.storage_bits == storage_bits(n, a.bits, full_bits=full, overhead_bits=overhead)
+        assert set(a.bits.tolist()) <= {b for b in choices if b < 16} | set(full)
+        assert a.variance == pytest.approx(predicted_variance(scaled(c), a.bits), rel=1e-12)
+    assert exact.variance <= greedy.variance * (1 + 1e-12) + 1e-300
+    if max_states is None:
+        assert exact.optimal
+    if exact.optimal:
+        assert exact.variance == pytest.approx(best, rel=TOL, abs=1e-300)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.integers(1, 6).flatmap(
+        lambda k: st.tuples(
+            adversarial_sensitivities(k), adversarial_sizes(k), st.floats(0.0, 8.0), st.data()
+        )
+    )
+)
+def test_adversarial_sizes_against_brute_force(inst) -> None:  # fmt: skip
+    c, n, extra, data = inst
+    k = len(c)
+    overhead = data.draw(st.lists(st.sampled_from([0.25, 1.25, 2.25]), min_size=k, max_size=k))
+    least = min_storage_bits(n, overhead_bits=overhead)
+    budget_bytes = -(-least // 8) + int(extra * sum(n) / 8)
+    best = brute_force(scaled(c), n, 8 * budget_bytes, WIDTHS, overhead)
+    results = [
+        allocate(c, n, None, budget_bytes=budget_bytes, overhead_bits=overhead, **kw)
+        for kw in ({"method": "greedy"}, {"max_states": 0}, {})
+    ]
+    for a in results:
+        check_bound(a, best)
+    greedy, searched = results[0], results[1:]
+    for a in searched:
+        assert a.variance <= greedy.variance * (1 + 1e-12) + 1e-300
+    if k <= 4:  # 2·9^4 states and 4 stages fit the default budget: always proven
+        assert results[2].optimal
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(7, 60).flatmap(
+        lambda k: st.tuples(adversarial_sensitivities(k), adversarial_sizes(k), st.floats(0.0, 8.0))
+    )
+)
+def test_adversarial_sizes_bounded_search(inst) -> None:  # fmt: skip
+    c, n, extra = inst
+    budget_bytes = -(-min_storage_bits(n, overhead_bits=0.25) // 8) + int(extra * sum(n) / 8)
+    kw = {"budget_bytes": budget_bytes, "overhead_bits": 0.25}
+    greedy = allocate(c, n, None, method="greedy", **kw)
+    results = [allocate(c, n, None, max_states=m, **kw) for m in (0, 2_000, "auto")]
+    if len(c) <= 16:  # the unlimited search as the reference optimum
+        best = allocate(c, n, None, max_states=None, **kw)
+        assert best.optimal
+        for a in (greedy, *results):
+            check_bound(a, best.variance)
+    for a in results:
+        assert a.storage_bits <= a.budget_bits
+        assert a.variance <= greedy.variance * (1 + 1e-12) + 1e-300
+        assert a.lower_bound <= a.variance
+        # Both bounds hold for the same optimum, so neither exceeds the other's variance.
+        assert a.lower_bound <= greedy.variance * (1 + TOL) + 1e-300
+        assert greedy.lower_bound <= a.variance * (1 + TOL) + 1e-300
 
 
 @settings(max_examples=100, deadline=None)
@@ -193,3 +269,58 @@ def test_errors() -> None:
         allocate_bits([1.0], [100], 4.0, full_bits=8)
     with pytest.raises(ValueError, match="one entry per item"):
         allocate_bits([1.0, 2.0], [100, 1, 3], 4.0)
+
+
+def test_per_item_overhead_costs() -> None:
+    # A quantised item costs numel·b + ceil(numel·overhead_l), a full-precision one
+    # numel·full_bits, whatever its overhead (e.g. 1-2 bits of exact ReLU masks per element).
+    n, ov, full = [1000, 1000, 333], [0.25, 2.25, 1.0 / 3.0], [32, 16, 32]
+    assert storage_bits(n, [4, 4, 32], full_bits=full, overhead_bits=ov) == 4250 + 6250 + 10656
+    assert storage_bits(n, [2, 16, 3], full_bits=full, overhead_bits=ov) == 2250 + 16000 + 1110
+    # Equal sensitivities: the item with the dearer metadata gets the fewer bits.
+    bits = allocate_bits(
+        [1.0, 1.0], [1000, 1000], None, budget_bytes=1125, overhead_bits=[0.0, 2.0]
+    )
+    assert bits.tolist() == [4, 3]
+    a = allocate([1.0, 3.0, 2.0], n, 5.0, full_bits=full, overhead_bits=ov)
+    assert a.storage_bits == storage_bits(n, a.bits, full_bits=full, overhead_bits=ov)
+    assert a.storage_bits <= a.budget_bits == np.floor(5.0 * sum(n))
+
+
+def test_allocation_result() -> None:
+    rng = np.random.default_rng(0)
+    c, n = rng.lognormal(size=300), rng.integers(1, 10**5, size=300)
+    a = allocate(c, n, 3.0, overhead_bits=0.25)
+    assert np.array_equal(a.bits, allocate_bits(c, n, 3.0, overhead_bits=0.25))
+    assert a.bits.dtype == np.int64 and not a.bits.flags.writeable
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.optimal = True
+    assert 0.0 <= a.lower_bound <= a.variance
+    assert a.gap == a.variance - a.lower_bound and a.relative_gap == a.gap / a.variance
+    assert a.variance == pytest.approx(predicted_variance(c / c.max(), a.bits), rel=1e-12)
+    if a.optimal:
+        assert a.gap == 0.0
+
+
+def test_min_storage_bits_is_the_smallest_feasible_budget() -> None:
+    n, ov = [100, 200, 300, 400], [0.5, 0.0, 1.0, 0.25]
+    kw = dict(overhead_bits=ov, lower=[1, 2, 1, 1], pinned=[0, 0, 32, 0], choices=[2, 4, 16])
+    least = min_storage_bits(n, **kw)
+    assert least == 100 * 2.5 + 200 * 2 + 300 * 32 + 400 * 2.25
+    a = allocate([1.0] * 4, n, least / sum(n), **kw)
+    assert a.bits.tolist() == [2, 2, 32, 2] and a.storage_bits == least
+    with pytest.raises(ValueError, match="minimum achievable average"):
+        allocate([1.0] * 4, n, (least - 1) / sum(n), **kw)
+
+
+def test_distinct_sizes_stay_bounded() -> None:
+    # 3,000 items of distinct sizes ran out of memory (> 6 GB) after minutes in the unbounded
+    # exact search; the bounded one returns a feasible allocation no worse than the greedy.
+    rng = np.random.default_rng(0)
+    n = np.exp(rng.uniform(np.log(1e3), np.log(1e6), 3000)).astype(np.int64)
+    c = rng.lognormal(0.0, 2.0, 3000)
+    a = allocate(c, n, 3.0)
+    greedy = allocate(c, n, 3.0, method="greedy")
+    assert a.storage_bits <= a.budget_bits
+    assert a.variance <= greedy.variance
+    assert a.relative_gap < 1e-3

@@ -6,7 +6,14 @@ Example:
     [3, 5]
 """
 
-from .allocate import DEFAULT_CHOICES, allocate_bits, storage_bits
+from .allocation import (
+    Allocation,
+    InfeasibleBudgetError,
+    allocate,
+    allocate_bits,
+    min_storage_bits,
+    storage_bits,
+)
 from .sensitivity import (
     SENSITIVITY_CAP,
     GradFn,
@@ -17,19 +24,21 @@ from .sensitivity import (
 )
 from .smoothing import SensitivityTracker, smooth
 from .synthetic import LinearNoiseModel
-from .variance import FULL_PRECISION, MAX_QUANT_BITS, predicted_variance, variance_factor
+from .variance import FULL_PRECISION, predicted_variance, variance_factor
 
 __all__ = [
-    "DEFAULT_CHOICES",
     "FULL_PRECISION",
-    "MAX_QUANT_BITS",
     "SENSITIVITY_CAP",
+    "Allocation",
     "GradFn",
+    "InfeasibleBudgetError",
     "LinearNoiseModel",
     "ProbeConfig",
     "SensitivityTracker",
+    "allocate",
     "allocate_bits",
     "min_pair_probes",
+    "min_storage_bits",
     "pairwise_sensitivity",
     "predicted_variance",
     "probe_sensitivity",

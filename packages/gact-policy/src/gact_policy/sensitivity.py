@@ -2,36 +2,21 @@
 
 The caller supplies ``grad(config) -> 1-D array``: one gradient evaluation (e.g. forward and
 backward on a fixed sub-batch) with item ``l`` quantised to ``config.bits[l]`` using random seed
-``config.seeds[l]``. Under the linearised model ``g = g* + Σ_l J_l ε_l`` with independent
-zero-mean rounding noise, ``E‖J_l ε_l‖² = c_l S(b_l)`` (:mod:`gact_policy.variance`).
-
-* :func:`probe_sensitivity` (reference, GACT Algorithm 1): a base run ``g0`` and, per item, a run
-  with only that item re-seeded: ``E‖g0 - g_l‖² = 2 c_l S(b_l)``, so
-  ``c_l = ‖g0 - g_l‖² / (2 S(b_l))``; ``1 + L`` evaluations. ``robust=True`` is the public code's
-  variant (three runs per item: 1 bit with two seeds ``a, b`` and ``high_bits`` with a third):
-  ``c = max(d_ab / (2 S(1)), d_ac / (S(1) + S(high)), d_bc / (S(1) + S(high)))``, each term an
-  unbiased estimate of ``c`` (the public ``max(d_ab, 2 max(d_ac, d_bc)) / (2 S(1))`` up to the
-  factor ``1 + S(high)/S(1)``); ``3L`` evaluations, biased upwards on purpose.
-* :func:`pairwise_sensitivity` (cheap): ``K`` probes, each re-seeding a set of items with fresh
-  seeds; every item is re-seeded in exactly two probes ``{j, k}`` and no two items share a pair.
-  With ``e_k = g0 - g_k``, ``E<e_j, e_k> = Σ_{l in S_j ∩ S_k} E‖J_l ε_l‖² = c_l S(b_l)`` (the
-  fresh draws are independent of each other and of the base draw), so
-  ``c_l = <e_j, e_k> / S(b_l)`` is unbiased, needs only ``1 + K`` evaluations with
-  ``K(K-1)/2 >= L`` (``K ≈ sqrt(2L)``), and its error falls roughly like ``1/K`` because each
-  probe then re-seeds about ``2L/K`` items whose cross terms are the noise.
-
-Non-finite or huge estimates are replaced by ``SENSITIVITY_CAP`` (1e10, as the public code).
+``config.seeds[l]``. :func:`probe_sensitivity` is the reference estimator (GACT Algorithm 1,
+``1 + L`` evaluations), :func:`pairwise_sensitivity` the cheap one (``1 + K`` evaluations with
+``K ≈ sqrt(2L)``). Non-finite or huge estimates are replaced by ``SENSITIVITY_CAP``.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 from numpy.typing import ArrayLike
 
+from ._checks import integer_array, integer_scalar, real_scalar
 from .variance import FULL_PRECISION, variance_factor
 
 __all__ = [
@@ -44,7 +29,27 @@ __all__ = [
 ]
 
 SENSITIVITY_CAP: float = 1e10
-"""Value substituted for non-finite or larger sensitivity estimates."""
+"""Value substituted for non-finite or larger sensitivity estimates (as the public GACT code)."""
+
+# NOTE [Sensitivity estimators]
+# Under the linearised model ``g = g* + Σ_l J_l ε_l`` with independent zero-mean rounding noise,
+# ``E‖J_l ε_l‖² = c_l S(b_l)`` (NOTE [Variance model]).
+#
+# Reference (GACT Algorithm 1): a base run ``g0`` and, per item, a run with only that item
+# re-seeded: ``E‖g0 - g_l‖² = 2 c_l S(b_l)``, so ``c_l = ‖g0 - g_l‖² / (2 S(b_l))``; ``1 + L``
+# evaluations. ``robust=True`` is the public code's variant (three runs per item: 1 bit with two
+# seeds ``a, b`` and ``high_bits`` with a third):
+# ``c = max(d_ab / (2 S(1)), d_ac / (S(1) + S(high)), d_bc / (S(1) + S(high)))``, each term an
+# unbiased estimate of ``c`` (the public ``max(d_ab, 2 max(d_ac, d_bc)) / (2 S(1))`` up to the
+# factor ``1 + S(high)/S(1)``); ``3L`` evaluations, biased upwards on purpose.
+#
+# Pairwise (cheap): ``K`` probes, each re-seeding a set of items with fresh seeds; every item is
+# re-seeded in exactly two probes ``{j, k}`` and no two items share a pair. With
+# ``e_k = g0 - g_k``, ``E<e_j, e_k> = Σ_{l in S_j ∩ S_k} E‖J_l ε_l‖² = c_l S(b_l)`` (the fresh
+# draws are independent of each other and of the base draw), so ``c_l = <e_j, e_k> / S(b_l)`` is
+# unbiased, needs only ``1 + K`` evaluations with ``K(K-1)/2 >= L`` (``K ≈ sqrt(2L)``), and its
+# error falls roughly like ``1/K`` because each probe then re-seeds about ``2L/K`` items whose
+# cross terms are the noise.
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,8 @@ class ProbeConfig:
         seeds = np.array(self.seeds)
         if bits.ndim != 1 or seeds.shape != bits.shape:
             raise ValueError("bits and seeds must be 1-D arrays of the same length")
+        if bits.dtype.kind == "b":
+            raise TypeError("bits must be integer widths, not booleans")
         if bits.size and (bits.dtype.kind not in "iu" or bits.min() < 1):
             raise ValueError("bits must be integers >= 1")
         if seeds.size and seeds.dtype != np.uint64:
@@ -106,20 +113,44 @@ def _seeds(seed: int, count: int) -> np.ndarray:
 
 
 def _probe_bits(bits: ArrayLike) -> np.ndarray:
-    b = np.asarray(bits)
-    if b.ndim != 1 or b.size == 0:
-        raise ValueError("bits must be a non-empty 1-D array, one probe width per item")
-    if b.dtype.kind not in "iu" or b.min() < 1 or b.max() >= FULL_PRECISION:
-        raise ValueError(f"probe widths must be quantised integers in [1, {FULL_PRECISION - 1}]")
-    return b.astype(np.int64)
+    b = integer_array(bits, "bits")
+    if b.size == 0:
+        raise ValueError("bits must be non-empty, one probe width per item")
+    if b.min() < 1 or b.max() >= FULL_PRECISION:
+        raise ValueError(f"probe widths (bits) must be quantised: in [1, {FULL_PRECISION - 1}]")
+    return b
+
+
+def _check_options(seed: Any, cap: Any) -> tuple[int, float]:
+    root = integer_scalar(seed, "seed")
+    if root < 0:
+        raise ValueError(f"seed must be >= 0, got {root}")
+    limit = real_scalar(cap, "cap")
+    if not (math.isfinite(limit) and limit > 0.0):
+        raise ValueError(f"cap must be finite and > 0, got {cap}")
+    return root, limit
 
 
 def _cap(c: np.ndarray, cap: float) -> np.ndarray:
     return np.where(np.isfinite(c) & (c <= cap), np.maximum(c, 0.0), cap)
 
 
-def _grad(grad: GradFn, cfg: ProbeConfig) -> np.ndarray:
-    return np.asarray(grad(cfg), dtype=np.float64).reshape(-1)
+class _Gradients:
+    """Calls ``grad`` and checks that every gradient has the length of the first."""
+
+    def __init__(self, grad: GradFn) -> None:
+        self.grad, self.size = grad, -1
+
+    def __call__(self, cfg: ProbeConfig) -> np.ndarray:
+        g = np.asarray(self.grad(cfg), dtype=np.float64).reshape(-1)
+        if self.size < 0:
+            self.size = g.size
+        elif g.size != self.size:
+            raise ValueError(
+                f"grad returned a gradient of length {g.size} after one of length {self.size}: "
+                "every evaluation must return the same parameters"
+            )
+        return g
 
 
 def probe_sensitivity(
@@ -137,13 +168,17 @@ def probe_sensitivity(
         grad: gradient callable, see :data:`GradFn`.
         bits: probe width per item (quantised; ignored per item by ``robust``, which probes at
             1 bit and ``high_bits``).
-        seed: root seed of all probe seeds.
-        robust: use the public code's three-run max estimator (see module docstring).
+        seed: root seed of all probe seeds (``>= 0``).
+        robust: use the public code's three-run max estimator (NOTE [Sensitivity estimators]).
         high_bits: the high width of the robust variant.
-        cap: replacement for non-finite estimates and upper bound.
+        cap: replacement for non-finite estimates and upper bound (finite, ``> 0``).
 
     Returns:
         float64 array of ``c_l``.
+
+    Raises:
+        TypeError: on non-numeric arguments.
+        ValueError: on invalid widths or options, or if ``grad`` changes its output length.
 
     Example:
         >>> g = lambda cfg: np.random.default_rng(int(cfg.seeds[0])).normal(size=4000) / 3
@@ -151,24 +186,34 @@ def probe_sensitivity(
         4000.0
     """
     b = _probe_bits(bits)
+    seed, cap = _check_options(seed, cap)
+    high = integer_scalar(high_bits, "high_bits")
+    if not 1 <= high < FULL_PRECISION:
+        raise ValueError(f"high_bits must be a quantised width in [1, {FULL_PRECISION - 1}]")
     n = b.size
     base = ProbeConfig(b, _seeds(seed, n))
     fresh = _seeds(seed + 1, 3 * n).reshape(3, n)
     out = np.empty(n)
-    if not robust:
-        g0 = _grad(grad, base)
+    evaluate = _Gradients(grad)
+    with np.errstate(invalid="ignore", over="ignore"):  # non-finite estimates are capped
+        if not robust:
+            g0 = evaluate(base)
+            for i in range(n):
+                d = g0 - evaluate(base.reseeded([i], [fresh[0, i]]))
+                out[i] = d @ d / (2.0 * variance_factor(int(b[i])))
+            return _cap(out, cap)
+        s_lo, s_hi = variance_factor(1), variance_factor(high)
         for i in range(n):
-            d = g0 - _grad(grad, base.reseeded([i], [fresh[0, i]]))
-            out[i] = d @ d / (2.0 * variance_factor(int(b[i])))
-        return _cap(out, cap)
-    s_lo, s_hi = variance_factor(1), variance_factor(high_bits)
-    for i in range(n):
-        ga = _grad(grad, base.with_bits([i], [1]).reseeded([i], [fresh[0, i]]))
-        gb = _grad(grad, base.with_bits([i], [1]).reseeded([i], [fresh[1, i]]))
-        gc = _grad(grad, base.with_bits([i], [high_bits]).reseeded([i], [fresh[2, i]]))
-        d_ab, d_ac, d_bc = ga - gb, ga - gc, gb - gc
-        est = (d_ab @ d_ab / (2 * s_lo), d_ac @ d_ac / (s_lo + s_hi), d_bc @ d_bc / (s_lo + s_hi))
-        out[i] = max(est)
+            ga = evaluate(base.with_bits([i], [1]).reseeded([i], [fresh[0, i]]))
+            gb = evaluate(base.with_bits([i], [1]).reseeded([i], [fresh[1, i]]))
+            gc = evaluate(base.with_bits([i], [high]).reseeded([i], [fresh[2, i]]))
+            d_ab, d_ac, d_bc = ga - gb, ga - gc, gb - gc
+            est = (
+                d_ab @ d_ab / (2 * s_lo),
+                d_ac @ d_ac / (s_lo + s_hi),
+                d_bc @ d_bc / (s_lo + s_hi),
+            )
+            out[i] = max(est)
     return _cap(out, cap)
 
 
@@ -179,8 +224,9 @@ def min_pair_probes(n_items: int) -> int:
         >>> min_pair_probes(150)
         18
     """
+    n_items = integer_scalar(n_items, "n_items")
     if n_items < 0:
-        raise ValueError("n_items must be >= 0")
+        raise ValueError(f"n_items must be >= 0, got {n_items}")
     k = max(2, math.ceil((1 + math.sqrt(1 + 8 * n_items)) / 2))
     while k * (k - 1) // 2 < n_items:
         k += 1
@@ -222,11 +268,17 @@ def pairwise_sensitivity(
         bits: probe width per item (quantised).
         num_probes: ``K``; default and minimum :func:`min_pair_probes` ``(L)``. More probes spread
             the items thinner (about ``2L/K`` per probe) and reduce the error.
-        seed: root seed (base seeds, fresh seeds and the item-to-pair assignment).
-        cap: replacement for non-finite estimates and upper bound; negative estimates become 0.
+        seed: root seed (base seeds, fresh seeds and the item-to-pair assignment; ``>= 0``).
+        cap: replacement for non-finite estimates and upper bound (finite, ``> 0``); negative
+            estimates become 0.
 
     Returns:
         float64 array of ``c_l``.
+
+    Raises:
+        TypeError: on non-numeric arguments.
+        ValueError: on invalid widths or options, too few probes, or if ``grad`` changes its
+            output length.
 
     Example:
         >>> g = lambda cfg: sum(np.random.default_rng(int(s)).normal(size=4000) for s in cfg.seeds)
@@ -235,22 +287,25 @@ def pairwise_sensitivity(
         True
     """
     b = _probe_bits(bits)
+    seed, cap = _check_options(seed, cap)
     n = b.size
-    k = min_pair_probes(n) if num_probes is None else int(num_probes)
+    k = min_pair_probes(n) if num_probes is None else integer_scalar(num_probes, "num_probes")
     if k < min_pair_probes(n):
-        raise ValueError(f"need at least {min_pair_probes(n)} probes for {n} items, got {k}")
+        raise ValueError(f"num_probes: need at least {min_pair_probes(n)} for {n} items, got {k}")
     rng = np.random.default_rng([seed, 1])
     pairs = np.array(_pairs(k, n), dtype=np.int64).reshape(n, 2)[rng.permutation(n)]
     base = ProbeConfig(b, _seeds(seed, n))
     fresh = _seeds(seed + 1, 2 * n).reshape(n, 2)
-    g0 = _grad(grad, base)
-    diffs = []
-    for j in range(k):
-        items, side = np.nonzero(pairs == j)
-        diffs.append(g0 - _grad(grad, base.reseeded(items, fresh[items, side])))
-    e = np.stack(diffs)
-    # All pairwise inner products at once from the K x K Gram matrix: memory O(K·D), never the
-    # O(L·D) of gathering one row pair per item (GBs for a transformer's gradient).
-    gram = e @ e.T
-    inner = gram[pairs[:, 0], pairs[:, 1]]
-    return _cap(inner / variance_factor(b), cap)
+    evaluate = _Gradients(grad)
+    with np.errstate(invalid="ignore", over="ignore"):  # non-finite estimates are capped
+        g0 = evaluate(base)
+        diffs = []
+        for j in range(k):
+            items, side = np.nonzero(pairs == j)
+            diffs.append(g0 - evaluate(base.reseeded(items, fresh[items, side])))
+        e = np.stack(diffs)
+        # All pairwise inner products at once from the K x K Gram matrix: memory O(K·D), never
+        # the O(L·D) of gathering one row pair per item (GBs for a transformer's gradient).
+        gram = e @ e.T
+        inner = gram[pairs[:, 0], pairs[:, 1]]
+        return _cap(inner / variance_factor(b), cap)

@@ -2,56 +2,66 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 from numpy.typing import ArrayLike
 
+from ._checks import real_array, real_scalar
 from .sensitivity import SENSITIVITY_CAP
 
 __all__ = ["SensitivityTracker", "smooth"]
 
 
-def _check_momentum(momentum: float) -> float:
-    if not 0.0 <= momentum < 1.0:
+def _check_momentum(momentum: Any) -> float:
+    mom = real_scalar(momentum, "momentum")
+    if not 0.0 <= mom < 1.0:
         raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-    return float(momentum)
+    return mom
+
+
+def _estimates(value: Any, name: str) -> np.ndarray:
+    x = real_array(value, name)
+    if np.any(x < 0):
+        raise ValueError(f"{name} must hold non-negative sensitivities, got {x[x < 0][0]!r}")
+    return x
 
 
 def smooth(prev: Optional[ArrayLike], new: ArrayLike, momentum: float) -> np.ndarray:
-    """``momentum·prev + (1 - momentum)·new``, keeping ``prev`` where ``new`` is not finite.
+    """``momentum·prev + (1 - momentum)·new``, finite whatever the inputs.
 
-    Without a previous state (``prev`` None) the new estimate is returned, with non-finite
-    entries replaced by ``SENSITIVITY_CAP`` (most sensitive). Negative estimates are rejected.
+    Where ``new`` is not finite the previous value is kept; where ``prev`` is not finite (or
+    ``prev`` is None) the new value is taken; where neither is finite the result is
+    ``SENSITIVITY_CAP`` (most sensitive). All values are capped at ``SENSITIVITY_CAP``.
 
     Args:
-        prev: previous smoothed sensitivities, or None.
-        new: new estimate, same length.
+        prev: previous smoothed sensitivities (1-D), or None.
+        new: new estimate (1-D, same length).
         momentum: weight of the past, in ``[0, 1)``.
 
     Returns:
-        The smoothed sensitivities (float64, finite).
+        The smoothed sensitivities (float64, finite, in ``[0, SENSITIVITY_CAP]``).
 
     Raises:
-        ValueError: on a length mismatch, a negative value or a bad momentum.
+        TypeError: on non-numeric arguments.
+        ValueError: on a length mismatch, a negative value or a momentum outside ``[0, 1)``.
 
     Example:
         >>> smooth([1.0, 2.0], [3.0, float("nan")], 0.5).tolist()
         [2.0, 2.0]
+        >>> smooth([1.0, float("nan")], [float("nan"), 2.0], 0.5).tolist()
+        [1.0, 2.0]
     """
     mom = _check_momentum(momentum)
-    x = np.asarray(new, dtype=np.float64).reshape(-1)
-    if np.any(x < 0):
-        raise ValueError("sensitivities must be non-negative")
-    good = np.isfinite(x)
-    if prev is None:
-        return np.where(good, np.minimum(x, SENSITIVITY_CAP), SENSITIVITY_CAP)
-    p = np.asarray(prev, dtype=np.float64).reshape(-1)
+    x = _estimates(new, "new")
+    p = np.full(x.shape, np.nan) if prev is None else _estimates(prev, "prev")
     if p.shape != x.shape:
-        raise ValueError(f"length mismatch: previous {p.size} items, new {x.size}")
-    return np.where(
-        good, mom * p + (1.0 - mom) * np.minimum(np.where(good, x, 0.0), SENSITIVITY_CAP), p
-    )
+        raise ValueError(f"length mismatch: prev has {p.size} items, new {x.size}")
+    has_x, has_p = np.isfinite(x), np.isfinite(p)
+    x = np.minimum(np.where(has_x, x, 0.0), SENSITIVITY_CAP)
+    p = np.minimum(np.where(has_p, p, 0.0), SENSITIVITY_CAP)
+    both = mom * p + (1.0 - mom) * x
+    return np.where(has_x & has_p, both, np.where(has_x, x, np.where(has_p, p, SENSITIVITY_CAP)))
 
 
 class SensitivityTracker:
@@ -78,7 +88,10 @@ class SensitivityTracker:
         return None if self._value is None else self._value.copy()
 
     def update(self, estimate: ArrayLike) -> np.ndarray:
-        """Fold a new estimate into the state and return the smoothed sensitivities."""
+        """Fold a new estimate into the state and return the smoothed sensitivities.
+
+        Bad input raises (see :func:`smooth`) and leaves the state unchanged.
+        """
         self._value = smooth(self._value, estimate, self.momentum)
         return self._value.copy()
 

@@ -1,52 +1,48 @@
-"""The one variance model shared by the allocator, the estimators and the runtime.
+"""The variance model shared by the allocator, the estimators and the runtime.
 
-Derivation
-----------
-An item (a saved activation, a weight matrix, ...) is split into groups; each group with range
-``R = max - min`` is quantised to ``b`` bits on the grid ``min + q·Δ`` with ``Δ = R / (2^b - 1)``
-and *unbiased* stochastic rounding: ``x`` in ``[min + qΔ, min + (q+1)Δ)`` is rounded up with
-probability ``t = (x - min)/Δ - q``. The error is zero-mean with variance ``Δ²·t(1 - t) ≤ Δ²/4``.
-To first order the gradient computed from the compressed item is
-``g(Q(h)) ≈ g(h) + J (Q(h) - h)``: unbiased, with extra variance
-``E‖J (Q(h) - h)‖² ≤ Σ_groups ‖J_group‖² R_group² / 4 · 1/(2^b - 1)²``. Everything that does not
-depend on ``b`` (Jacobian norms, ranges, the constant 1/4) is absorbed into the item's
-*sensitivity* ``c_l``, which leaves the bit-dependent factor
-
-    S(b) = 1 / (2^b - 1)²          (S(1) = 1, S(2) = 1/9, S(4) = 1/225, S(8) = 1/65025)
-
-and the predicted extra gradient variance ``Σ_l c_l · S(b_l)``. An item kept at its original
-precision adds no noise: ``S = 0``. Widths ``b ≥ FULL_PRECISION`` (16) denote "full precision";
-callers report such items with their original width (16 for bf16/fp16, 32 for fp32).
-
-The estimators in :mod:`gact_policy.sensitivity` use the same ``S``: re-seeding item ``l`` alone
-changes the gradient by ``J_l (ε - ε')`` with two independent draws, so
-``E‖g0 - g_l‖² = 2 c_l S(b_l)``.
+``S(b) = 1/(2^b - 1)^2`` is the variance factor of unbiased stochastic rounding to ``b`` bits,
+and ``Σ_l c_l S(b_l)`` the predicted extra gradient variance of an allocation.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from numpy.typing import ArrayLike
 
-__all__ = ["FULL_PRECISION", "MAX_QUANT_BITS", "predicted_variance", "variance_factor"]
+from ._checks import integer_values, real_array
+
+__all__ = ["FULL_PRECISION", "predicted_variance", "variance_factor"]
 
 FULL_PRECISION: int = 16
 """Widths at or above this value mean "not quantised" (variance factor 0)."""
 
-MAX_QUANT_BITS: int = FULL_PRECISION - 1
-"""Widest quantised width the model accepts (15 bits)."""
+# NOTE [Variance model]
+# An item (a saved activation, a weight matrix, ...) is split into groups; each group with range
+# ``R = max - min`` is quantised to ``b`` bits on the grid ``min + q·Δ`` with ``Δ = R / (2^b - 1)``
+# and *unbiased* stochastic rounding: ``x`` in ``[min + qΔ, min + (q+1)Δ)`` is rounded up with
+# probability ``t = (x - min)/Δ - q``. The error is zero-mean with variance ``Δ²·t(1 - t) <= Δ²/4``.
+# To first order the gradient computed from the compressed item is
+# ``g(Q(h)) ≈ g(h) + J (Q(h) - h)``: unbiased, with extra variance
+# ``E‖J (Q(h) - h)‖² <= Σ_groups ‖J_group‖² R_group² / 4 · 1/(2^b - 1)²``. Everything that does not
+# depend on ``b`` (Jacobian norms, ranges, the constant 1/4) is absorbed into the item's
+# *sensitivity* ``c_l``, which leaves the bit-dependent factor
+#
+#     S(b) = 1 / (2^b - 1)²          (S(1) = 1, S(2) = 1/9, S(4) = 1/225, S(8) = 1/65025)
+#
+# and the predicted extra gradient variance ``Σ_l c_l · S(b_l)``. An item kept at its original
+# precision adds no noise: ``S = 0``. Widths ``b >= FULL_PRECISION`` (16) denote "full
+# precision"; callers report such items with their original width (16 for bf16, 32 for fp32).
+#
+# The estimators in ``sensitivity.py`` use the same ``S``: re-seeding item ``l`` alone changes
+# the gradient by ``J_l (ε - ε')`` with two independent draws, so ``E‖g0 - g_l‖² = 2 c_l S(b_l)``.
 
 
-def _as_bits(bits: ArrayLike) -> np.ndarray:
-    arr = np.asarray(bits)
-    if arr.dtype.kind not in "iu":
-        if arr.dtype.kind == "f" and np.all(np.isfinite(arr)) and np.all(arr == np.round(arr)):
-            arr = arr.astype(np.int64)
-        else:
-            raise ValueError(f"bit widths must be integers, got dtype {arr.dtype}")
-    arr = arr.astype(np.int64)
+def _as_bits(bits: Any) -> np.ndarray:
+    arr = integer_values(bits, "bits")
     if arr.size and arr.min() < 1:
-        raise ValueError(f"bit widths must be >= 1, got minimum {int(arr.min())}")
+        raise ValueError(f"bits must be >= 1, got minimum {int(arr.min())}")
     return arr
 
 
@@ -54,8 +50,7 @@ def variance_factor(bits: ArrayLike) -> np.ndarray | float:
     """Variance factor ``S(b)`` of unbiased stochastic rounding to ``b`` bits.
 
     ``S(b) = 1/(2^b - 1)²`` for quantised widths ``1 <= b < FULL_PRECISION`` and ``0`` for
-    ``b >= FULL_PRECISION`` (kept at full precision). See the module docstring for the
-    derivation.
+    ``b >= FULL_PRECISION`` (kept at full precision); see NOTE [Variance model].
 
     Args:
         bits: integer width or array of widths (>= 1).
@@ -64,7 +59,8 @@ def variance_factor(bits: ArrayLike) -> np.ndarray | float:
         A float for scalar input, else a float64 array of the same shape.
 
     Raises:
-        ValueError: if a width is not an integer or is < 1.
+        TypeError: if ``bits`` is not numeric (or is boolean).
+        ValueError: if a width is not a whole number or is < 1.
 
     Example:
         >>> float(variance_factor(2))
@@ -83,22 +79,28 @@ def predicted_variance(sensitivity: ArrayLike, bits: ArrayLike) -> float:
     """Predicted extra gradient variance ``Σ_l c_l · S(b_l)``.
 
     Args:
-        sensitivity: per-item sensitivities ``c_l >= 0``.
-        bits: per-item widths (broadcast against ``sensitivity``).
+        sensitivity: per-item sensitivities ``c_l >= 0`` (1-D).
+        bits: per-item widths (1-D, same length), or one width for all items.
 
     Returns:
-        The predicted variance as a float (``inf``/``nan`` propagate from the sensitivities).
+        The predicted variance as a float (``inf``/``nan`` sensitivities propagate, except at
+        full precision, which adds nothing).
 
     Raises:
-        ValueError: on a negative sensitivity or an invalid width.
+        TypeError: on non-numeric arguments.
+        ValueError: on a negative sensitivity, an invalid width or a length mismatch.
 
     Example:
         >>> predicted_variance([1.0, 9.0], [1, 2])
         2.0
     """
-    c = np.asarray(sensitivity, dtype=np.float64)
+    c = real_array(sensitivity, "sensitivity")
     if np.any(c < 0):
-        raise ValueError("sensitivities must be non-negative")
-    s = variance_factor(bits)
-    terms = np.where(np.asarray(s) == 0.0, 0.0, c * s)
+        raise ValueError("sensitivity must be non-negative")
+    b = _as_bits(bits)
+    if b.ndim > 1 or (b.ndim == 1 and b.shape != c.shape):
+        raise ValueError(f"bits must be one width or one per item ({c.size}), got shape {b.shape}")
+    s = variance_factor(b)
+    with np.errstate(invalid="ignore"):  # inf·0 at full precision: that term is 0
+        terms = np.where(np.asarray(s) == 0.0, 0.0, c * s)
     return float(np.sum(terms))
