@@ -1,16 +1,11 @@
 // pybind11 module gact_kernels._cpu: integer addresses and sizes in, nothing torch-specific.
 #include <pybind11/pybind11.h>
 
+#include "bindings.h"
 #include "kernels.h"
 
 namespace py = pybind11;
-
-namespace {
-template <typename T>
-T* ptr(uintptr_t address) {
-  return reinterpret_cast<T*>(address);
-}
-}  // namespace
+using gact::ptr;
 
 PYBIND11_MODULE(_cpu, m) {
   m.doc() = "gact-kernels CPU kernels (OpenMP). Use the gact_kernels package, not this module.";
@@ -28,13 +23,14 @@ PYBIND11_MODULE(_cpu, m) {
   m.def(
       "dequantize",
       [](uintptr_t data, uintptr_t lo, uintptr_t scale, int64_t n, int64_t group_size, int bits,
-         int dtype, uintptr_t out, int threads) {
+         uint64_t seed, int dtype, uintptr_t out, int threads) {
         gact::dequantize_cpu(ptr<const uint8_t>(data), ptr<const float>(lo),
-                             ptr<const float>(scale), n, group_size, bits, dtype, ptr<void>(out),
-                             threads);
+                             ptr<const float>(scale), n, group_size, bits, seed, dtype,
+                             ptr<void>(out), threads);
       },
       py::arg("data"), py::arg("lo"), py::arg("scale"), py::arg("n"), py::arg("group_size"),
-      py::arg("bits"), py::arg("dtype"), py::arg("out"), py::arg("threads"), Release());
+      py::arg("bits"), py::arg("seed"), py::arg("dtype"), py::arg("out"), py::arg("threads"),
+      Release());
   m.def(
       "pack_mask",
       [](uintptr_t in, int64_t n, uintptr_t out, int threads) {
@@ -47,4 +43,34 @@ PYBIND11_MODULE(_cpu, m) {
         gact::unpack_mask_cpu(ptr<const uint8_t>(in), n, ptr<uint8_t>(out), threads);
       },
       py::arg("packed"), py::arg("n"), py::arg("out"), py::arg("threads"), Release());
+  m.def(
+      "int_params",
+      [](uintptr_t x, int dtype, int64_t n, int64_t group_size, uintptr_t mins, uintptr_t widths,
+         int threads) {
+        gact::int_params_cpu(ptr<const void>(x), dtype, n, group_size, ptr<int64_t>(mins),
+                             ptr<uint8_t>(widths), threads);
+      },
+      py::arg("x"), py::arg("dtype"), py::arg("n"), py::arg("group_size"), py::arg("mins"),
+      py::arg("widths"), py::arg("threads"), Release());
+  m.def(
+      "pack_ints",
+      [](uintptr_t x, int dtype, int64_t n, int64_t group_size, uintptr_t mins, uintptr_t widths,
+         uintptr_t starts, uintptr_t out, int threads) {
+        gact::pack_ints_cpu(ptr<const void>(x), dtype, n, group_size, ptr<const int64_t>(mins),
+                            ptr<const uint8_t>(widths), ptr<const int64_t>(starts),
+                            ptr<uint8_t>(out), threads);
+      },
+      py::arg("x"), py::arg("dtype"), py::arg("n"), py::arg("group_size"), py::arg("mins"),
+      py::arg("widths"), py::arg("starts"), py::arg("out"), py::arg("threads"), Release());
+  m.def(
+      "unpack_ints",
+      [](uintptr_t data, int64_t data_bytes, uintptr_t mins, uintptr_t widths, uintptr_t starts,
+         int64_t n, int64_t group_size, int dtype, uintptr_t out, int threads) {
+        gact::unpack_ints_cpu(ptr<const uint8_t>(data), data_bytes, ptr<const int64_t>(mins),
+                              ptr<const uint8_t>(widths), ptr<const int64_t>(starts), n,
+                              group_size, dtype, ptr<void>(out), threads);
+      },
+      py::arg("data"), py::arg("data_bytes"), py::arg("mins"), py::arg("widths"),
+      py::arg("starts"), py::arg("n"), py::arg("group_size"), py::arg("dtype"), py::arg("out"),
+      py::arg("threads"), Release());
 }

@@ -1,17 +1,12 @@
 // pybind11 module gact_kernels._cuda: integer addresses, sizes, device index and cudaStream_t.
-// Compiled by the host compiler; the kernels live in cuda.cu.
+// Compiled by the host compiler; the kernels live in cuda.cu and cuda_ints.cu.
 #include <pybind11/pybind11.h>
 
+#include "bindings.h"
 #include "kernels.h"
 
 namespace py = pybind11;
-
-namespace {
-template <typename T>
-T* ptr(uintptr_t address) {
-  return reinterpret_cast<T*>(address);
-}
-}  // namespace
+using gact::ptr;
 
 PYBIND11_MODULE(_cuda, m) {
   m.doc() = "gact-kernels CUDA kernels (asynchronous on the given stream).";
@@ -30,14 +25,14 @@ PYBIND11_MODULE(_cuda, m) {
   m.def(
       "dequantize",
       [](uintptr_t data, uintptr_t lo, uintptr_t scale, int64_t n, int64_t group_size, int bits,
-         int dtype, uintptr_t out, int device, uintptr_t stream) {
+         uint64_t seed, int dtype, uintptr_t out, int device, uintptr_t stream) {
         gact::dequantize_cuda(ptr<const uint8_t>(data), ptr<const float>(lo),
-                              ptr<const float>(scale), n, group_size, bits, dtype, ptr<void>(out),
-                              device, ptr<void>(stream));
+                              ptr<const float>(scale), n, group_size, bits, seed, dtype,
+                              ptr<void>(out), device, ptr<void>(stream));
       },
       py::arg("data"), py::arg("lo"), py::arg("scale"), py::arg("n"), py::arg("group_size"),
-      py::arg("bits"), py::arg("dtype"), py::arg("out"), py::arg("device"), py::arg("stream"),
-      Release());
+      py::arg("bits"), py::arg("seed"), py::arg("dtype"), py::arg("out"), py::arg("device"),
+      py::arg("stream"), Release());
   m.def(
       "pack_mask",
       [](uintptr_t in, int64_t n, uintptr_t out, int device, uintptr_t stream) {
@@ -54,4 +49,35 @@ PYBIND11_MODULE(_cuda, m) {
       },
       py::arg("packed"), py::arg("n"), py::arg("out"), py::arg("device"), py::arg("stream"),
       Release());
+  m.def(
+      "int_params",
+      [](uintptr_t x, int dtype, int64_t n, int64_t group_size, uintptr_t mins, uintptr_t widths,
+         int device, uintptr_t stream) {
+        gact::int_params_cuda(ptr<const void>(x), dtype, n, group_size, ptr<int64_t>(mins),
+                              ptr<uint8_t>(widths), device, ptr<void>(stream));
+      },
+      py::arg("x"), py::arg("dtype"), py::arg("n"), py::arg("group_size"), py::arg("mins"),
+      py::arg("widths"), py::arg("device"), py::arg("stream"), Release());
+  m.def(
+      "pack_ints",
+      [](uintptr_t x, int dtype, int64_t n, int64_t group_size, uintptr_t mins, uintptr_t widths,
+         uintptr_t starts, uintptr_t out, int device, uintptr_t stream) {
+        gact::pack_ints_cuda(ptr<const void>(x), dtype, n, group_size, ptr<const int64_t>(mins),
+                             ptr<const uint8_t>(widths), ptr<const int64_t>(starts),
+                             ptr<uint8_t>(out), device, ptr<void>(stream));
+      },
+      py::arg("x"), py::arg("dtype"), py::arg("n"), py::arg("group_size"), py::arg("mins"),
+      py::arg("widths"), py::arg("starts"), py::arg("out"), py::arg("device"), py::arg("stream"),
+      Release());
+  m.def(
+      "unpack_ints",
+      [](uintptr_t data, int64_t data_bytes, uintptr_t mins, uintptr_t widths, uintptr_t starts,
+         int64_t n, int64_t group_size, int dtype, uintptr_t out, int device, uintptr_t stream) {
+        gact::unpack_ints_cuda(ptr<const uint8_t>(data), data_bytes, ptr<const int64_t>(mins),
+                               ptr<const uint8_t>(widths), ptr<const int64_t>(starts), n,
+                               group_size, dtype, ptr<void>(out), device, ptr<void>(stream));
+      },
+      py::arg("data"), py::arg("data_bytes"), py::arg("mins"), py::arg("widths"),
+      py::arg("starts"), py::arg("n"), py::arg("group_size"), py::arg("dtype"), py::arg("out"),
+      py::arg("device"), py::arg("stream"), Release());
 }

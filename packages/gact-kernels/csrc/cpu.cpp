@@ -1,25 +1,18 @@
 // CPU kernels: OpenMP over groups (or mask bytes); inner loops are branch-free and written so
 // that gcc vectorises them. See NOTE [storage and RNG invariants] in common.h.
-#include <omp.h>
-
 #include <algorithm>
 #include <cstring>
 #include <stdexcept>
 #include <vector>
 
 #include "common.h"
+#include "cpu_threads.h"
 #include "kernels.h"
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "gact-kernels assumes little endian");
 
 namespace gact {
 namespace {
-
-constexpr int64_t kSerialBelow = 1 << 15;  // elements; smaller inputs run on one thread
-// Groups are handed out dynamically in blocks, so a thread that loses its core to another
-// process does not hold up the others. Every group is independent, so the bytes do not depend
-// on which thread does it.
-constexpr int kGroupsPerTask = 64;
 
 // Hot loops get AVX-512 and AVX2 clones picked at load time (ifunc); the default clone is
 // baseline x86-64, so a wheel built here runs on any x86-64 CPU. All clones do the same IEEE
@@ -30,21 +23,10 @@ constexpr int kGroupsPerTask = 64;
 #define GACT_SIMD
 #endif
 
-int team_size(int threads, int64_t work) {
-  if (work < kSerialBelow) return 1;
-  return threads > 0 ? threads : omp_get_max_threads();
-}
-
 template <int DT>
 GACT_SIMD void to_floats(const typename Elem<DT>::type* __restrict x, int64_t m,
                          float* __restrict buf) {
   for (int64_t j = 0; j < m; ++j) buf[j] = Elem<DT>::load(x[j]);
-}
-
-template <int DT>
-GACT_SIMD void from_floats(const float* __restrict v, int64_t m,
-                           typename Elem<DT>::type* __restrict out) {
-  for (int64_t j = 0; j < m; ++j) out[j] = Elem<DT>::store(v[j]);
 }
 
 // Min and max via integer keys (a signed-int order equal to the float order for non-NaN
@@ -74,14 +56,23 @@ GACT_SIMD void codes_run(const float* __restrict xs, int64_t m, GroupParams p, f
   }
 }
 
+// Calls body(j, len, high, e_low) over runs [j, j + len) of the m elements starting at index
+// `first` whose indices share their high 32 bits (one run unless a multiple of 2^32 is crossed).
+template <typename Body>
+void by_runs(StreamKey key, uint64_t first, int64_t m, Body body) {
+  for (int64_t j = 0; j < m;) {
+    const uint64_t e = first + j;
+    const int64_t len = std::min<int64_t>(m - j, (int64_t{1} << 32) - (e & 0xFFFFFFFFu));
+    body(j, len, stream_high(key, e), static_cast<uint32_t>(e));
+    j += len;
+  }
+}
+
 void codes_of(const float* xs, int64_t m, GroupParams p, float levels, StreamKey key,
               uint64_t first, uint8_t* q) {
-  while (m > 0) {  // one run unless the group straddles a multiple of 2^32
-    const int64_t run = std::min<int64_t>(m, (int64_t{1} << 32) - (first & 0xFFFFFFFFu));
-    codes_run(xs, run, p, levels, key, stream_high(key, first),
-              static_cast<uint32_t>(first), q);
-    xs += run, q += run, first += run, m -= run;
-  }
+  by_runs(key, first, m, [&](int64_t j, int64_t len, uint32_t high, uint32_t e_low) {
+    codes_run(xs + j, len, p, levels, key, high, e_low, q + j);
+  });
 }
 
 // Packs m codes (q readable and zero up to the next multiple of 8) into ceil(m*B/8) bytes.
@@ -142,6 +133,15 @@ GACT_SIMD void dequantize_run(const uint8_t* __restrict q, int64_t m, float lo, 
   for (int64_t j = 0; j < m; ++j) out[j] = dequantize_one(q[j], lo, scale);
 }
 
+// Rounds m levels stochastically to DT (fp16/bf16) with the dequantisation stream.
+template <int DT>
+GACT_SIMD void round_run(const float* __restrict v, int64_t m, StreamKey key, uint32_t high,
+                         uint32_t e_low, uint16_t* __restrict out) {
+  for (int64_t j = 0; j < m; ++j) {
+    out[j] = Elem<DT>::store(v[j], hash32(key, high, e_low + static_cast<uint32_t>(j)));
+  }
+}
+
 template <int DT, int B>
 void quantize_impl(const typename Elem<DT>::type* x, int64_t n, int64_t G, StreamKey key,
                    uint8_t* out, float* lo, float* scale, int threads) {
@@ -182,7 +182,7 @@ void quantize_impl(const typename Elem<DT>::type* x, int64_t n, int64_t G, Strea
 
 template <int DT, int B>
 void dequantize_impl(const uint8_t* data, const float* lo, const float* scale, int64_t n,
-                     int64_t G, typename Elem<DT>::type* out, int threads) {
+                     int64_t G, StreamKey key, typename Elem<DT>::type* out, int threads) {
   const int64_t groups = (n + G - 1) / G;
 #pragma omp parallel num_threads(team_size(threads, n))
   {
@@ -201,7 +201,9 @@ void dequantize_impl(const uint8_t* data, const float* lo, const float* scale, i
         dequantize_run(q, m, lo[g], scale[g], out + first);
       } else {
         dequantize_run(q, m, lo[g], scale[g], fbuf.data());
-        from_floats<DT>(fbuf.data(), m, out + first);
+        by_runs(key, first, m, [&](int64_t j, int64_t len, uint32_t high, uint32_t e_low) {
+          round_run<DT>(fbuf.data() + j, len, key, high, e_low, out + first + j);
+        });
       }
     }
   }
@@ -218,8 +220,8 @@ struct Quantize {
 template <int DT, int B>
 struct Dequantize {
   static void run(const uint8_t* data, const float* lo, const float* scale, int64_t n, int64_t G,
-                  void* out, int threads) {
-    dequantize_impl<DT, B>(data, lo, scale, n, G, static_cast<typename Elem<DT>::type*>(out),
+                  StreamKey key, void* out, int threads) {
+    dequantize_impl<DT, B>(data, lo, scale, n, G, key, static_cast<typename Elem<DT>::type*>(out),
                            threads);
   }
 };
@@ -230,14 +232,16 @@ void quantize_cpu(const void* x, int dtype, int64_t n, int64_t group_size, int b
                   uint64_t seed, uint8_t* out, float* lo, float* scale, int threads) {
   check_group_size(group_size);
   if (n <= 0) return;
-  dispatch<Quantize>(dtype, bits, x, n, group_size, stream_key(seed), out, lo, scale, threads);
+  dispatch<Quantize>(dtype, bits, x, n, group_size, quantize_key(seed), out, lo, scale, threads);
 }
 
 void dequantize_cpu(const uint8_t* data, const float* lo, const float* scale, int64_t n,
-                    int64_t group_size, int bits, int dtype, void* out, int threads) {
+                    int64_t group_size, int bits, uint64_t seed, int dtype, void* out,
+                    int threads) {
   check_group_size(group_size);
   if (n <= 0) return;
-  dispatch<Dequantize>(dtype, bits, data, lo, scale, n, group_size, out, threads);
+  dispatch<Dequantize>(dtype, bits, data, lo, scale, n, group_size, dequantize_key(seed), out,
+                       threads);
 }
 
 bool pack_mask_cpu(const uint8_t* in, int64_t n, uint8_t* out, int threads) {

@@ -1,48 +1,12 @@
 // CUDA kernels. One warp per group for quantize, one thread per 8-element chunk for dequantize,
 // 64-bit indices and grid-stride loops everywhere. Launches are asynchronous on the caller's
 // stream and never synchronise. See NOTE [storage and RNG invariants] in common.h.
-#include <cuda_runtime.h>
-
-#include <algorithm>
-#include <string>
-
 #include "common.h"
+#include "cuda_launch.cuh"
 #include "kernels.h"
 
 namespace gact {
 namespace {
-
-constexpr int kThreads = 256;
-constexpr int64_t kMaxBlocks = 1 << 16;  // grid-stride loops cover larger inputs
-
-void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) {
-    throw std::runtime_error(std::string("gact_kernels: ") + what + ": " + cudaGetErrorString(err));
-  }
-}
-
-// Makes `device` current for the launch and restores the previous device afterwards.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    check(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (previous_ != device) check(cudaSetDevice(device), "cudaSetDevice");
-    changed_ = previous_ != device;
-  }
-  ~DeviceGuard() {
-    if (changed_) cudaSetDevice(previous_);
-  }
-
- private:
-  int previous_ = 0;
-  bool changed_ = false;
-};
-
-int blocks_for(int64_t threads) {
-  return static_cast<int>(std::min<int64_t>((threads + kThreads - 1) / kThreads, kMaxBlocks));
-}
-
-__device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 __device__ __forceinline__ bool aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
@@ -73,9 +37,12 @@ __device__ __forceinline__ void load_chunk(const typename Elem<DT>::type* p, int
   }
 }
 
+// Stores the `cnt` (<= 8) values of a chunk; h holds each element's random word (fp16/bf16
+// round stochastically, fp32 ignores it).
 template <int DT>
 __device__ __forceinline__ void store_chunk(typename Elem<DT>::type* p, int cnt,
-                                            const float (&v)[kChunk]) {
+                                            const float (&v)[kChunk],
+                                            const uint32_t (&h)[kChunk]) {
   if (cnt == kChunk && aligned16(p)) {
     if constexpr (DT == kFloat32) {
       reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
@@ -84,20 +51,27 @@ __device__ __forceinline__ void store_chunk(typename Elem<DT>::type* p, int cnt,
       uint32_t w[4];
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        w[k] = static_cast<uint32_t>(Elem<DT>::store(v[2 * k])) |
-               (static_cast<uint32_t>(Elem<DT>::store(v[2 * k + 1])) << 16);
+        w[k] = static_cast<uint32_t>(Elem<DT>::store(v[2 * k], h[2 * k])) |
+               (static_cast<uint32_t>(Elem<DT>::store(v[2 * k + 1], h[2 * k + 1])) << 16);
       }
       *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
     }
   } else {
-    for (int j = 0; j < cnt; ++j) p[j] = Elem<DT>::store(v[j]);
+    for (int j = 0; j < cnt; ++j) p[j] = Elem<DT>::store(v[j], h[j]);
   }
 }
 
-// The b-bit codes of one chunk occupy B bytes (fewer for a partial last chunk).
+// The b-bit codes of one chunk occupy B bytes (fewer for a partial last chunk). Whole words
+// only where the address allows it: a container's `data` may be a view at any byte offset.
+template <int B>
+__device__ __forceinline__ bool whole_word(const uint8_t* p, int cnt) {
+  return cnt == kChunk && (B == 8 || B == 4 || B == 2 || B == 1) &&
+         (reinterpret_cast<uintptr_t>(p) & (B - 1)) == 0;
+}
+
 template <int B>
 __device__ __forceinline__ void store_codes(uint8_t* dst, uint64_t w, int cnt) {
-  if (cnt == kChunk && (B == 8 || B == 4 || B == 2 || B == 1)) {
+  if (whole_word<B>(dst, cnt)) {
     if constexpr (B == 8) *reinterpret_cast<uint64_t*>(dst) = w;
     if constexpr (B == 4) *reinterpret_cast<uint32_t*>(dst) = static_cast<uint32_t>(w);
     if constexpr (B == 2) *reinterpret_cast<uint16_t*>(dst) = static_cast<uint16_t>(w);
@@ -110,7 +84,7 @@ __device__ __forceinline__ void store_codes(uint8_t* dst, uint64_t w, int cnt) {
 
 template <int B>
 __device__ __forceinline__ uint64_t load_codes(const uint8_t* src, int cnt) {
-  if (cnt == kChunk && (B == 8 || B == 4 || B == 2 || B == 1)) {
+  if (whole_word<B>(src, cnt)) {
     if constexpr (B == 8) return *reinterpret_cast<const uint64_t*>(src);
     if constexpr (B == 4) return *reinterpret_cast<const uint32_t*>(src);
     if constexpr (B == 2) return *reinterpret_cast<const uint16_t*>(src);
@@ -130,9 +104,8 @@ __global__ void __launch_bounds__(kThreads)
   const int lane = threadIdx.x & 31;
   const float levels = static_cast<float>((1 << B) - 1);
   const int64_t groups = (n + G - 1) / G;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * (kThreads / 32);
-  for (int64_t g = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5; g < groups;
-       g += warps) {
+  const int64_t warps = grid_threads() / 32;
+  for (int64_t g = global_thread() / 32; g < groups; g += warps) {
     const int64_t first = g * G;
     const int64_t m = min64(G, n - first);
     const int64_t chunks = (m + kChunk - 1) / kChunk;
@@ -190,33 +163,33 @@ __global__ void __launch_bounds__(kThreads)
 template <int DT, int B>
 __global__ void __launch_bounds__(kThreads)
     dequantize_kernel(const uint8_t* __restrict__ data, const float* __restrict__ lo,
-                      const float* __restrict__ scale, int64_t n, int64_t G,
+                      const float* __restrict__ scale, int64_t n, int64_t G, StreamKey key,
                       typename Elem<DT>::type* __restrict__ out) {
   constexpr uint64_t mask = (1u << B) - 1;
   const int64_t chunks = (n + kChunk - 1) / kChunk;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
-  for (int64_t c = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; c < chunks;
-       c += stride) {
+  for (int64_t c = global_thread(); c < chunks; c += grid_threads()) {
     const int64_t e0 = c * kChunk;
     const int cnt = static_cast<int>(min64(kChunk, n - e0));
     const int64_t g = e0 / G;
     const float l = lo[g], s = scale[g];
     const uint64_t w = load_codes<B>(data + c * B, cnt);
     float v[kChunk];
+    uint32_t h[kChunk] = {};
+    // A chunk never straddles a multiple of 2^32 (e0 is a multiple of 8).
+    const uint32_t high = stream_high(key, static_cast<uint64_t>(e0));
 #pragma unroll
     for (int j = 0; j < kChunk; ++j) {
       v[j] = dequantize_one(static_cast<uint32_t>((w >> (j * B)) & mask), l, s);
+      if constexpr (DT != kFloat32) h[j] = hash32(key, high, static_cast<uint32_t>(e0) + j);
     }
-    store_chunk<DT>(out + e0, cnt, v);
+    store_chunk<DT>(out + e0, cnt, v, h);
   }
 }
 
 __global__ void __launch_bounds__(kThreads)
     pack_mask_kernel(const uint8_t* __restrict__ in, int64_t n, uint8_t* __restrict__ out) {
   const int64_t bytes = (n + 7) / 8;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < bytes;
-       i += stride) {
+  for (int64_t i = global_thread(); i < bytes; i += grid_threads()) {
     const uint8_t* p = in + i * 8;
     const int cnt = static_cast<int>(min64(8, n - i * 8));
     uint32_t byte = 0;
@@ -234,9 +207,7 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void __launch_bounds__(kThreads)
     unpack_mask_kernel(const uint8_t* __restrict__ in, int64_t n, uint8_t* __restrict__ out) {
   const int64_t bytes = (n + 7) / 8;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < bytes;
-       i += stride) {
+  for (int64_t i = global_thread(); i < bytes; i += grid_threads()) {
     uint8_t* p = out + i * 8;
     const int cnt = static_cast<int>(min64(8, n - i * 8));
     const uint32_t byte = in[i];
@@ -264,9 +235,9 @@ struct Quantize {
 template <int DT, int B>
 struct Dequantize {
   static void run(const uint8_t* data, const float* lo, const float* scale, int64_t n, int64_t G,
-                  void* out, cudaStream_t stream) {
+                  StreamKey key, void* out, cudaStream_t stream) {
     dequantize_kernel<DT, B><<<blocks_for((n + kChunk - 1) / kChunk), kThreads, 0, stream>>>(
-        data, lo, scale, n, G, static_cast<typename Elem<DT>::type*>(out));
+        data, lo, scale, n, G, key, static_cast<typename Elem<DT>::type*>(out));
   }
 };
 
@@ -278,18 +249,18 @@ void quantize_cuda(const void* x, int dtype, int64_t n, int64_t group_size, int 
   check_group_size(group_size);
   if (n <= 0) return;
   DeviceGuard guard(device);
-  dispatch<Quantize>(dtype, bits, x, n, group_size, stream_key(seed), out, lo, scale,
+  dispatch<Quantize>(dtype, bits, x, n, group_size, quantize_key(seed), out, lo, scale,
                      static_cast<cudaStream_t>(stream));
   check(cudaGetLastError(), "quantize launch");
 }
 
 void dequantize_cuda(const uint8_t* data, const float* lo, const float* scale, int64_t n,
-                     int64_t group_size, int bits, int dtype, void* out, int device,
-                     void* stream) {
+                     int64_t group_size, int bits, uint64_t seed, int dtype, void* out,
+                     int device, void* stream) {
   check_group_size(group_size);
   if (n <= 0) return;
   DeviceGuard guard(device);
-  dispatch<Dequantize>(dtype, bits, data, lo, scale, n, group_size, out,
+  dispatch<Dequantize>(dtype, bits, data, lo, scale, n, group_size, dequantize_key(seed), out,
                        static_cast<cudaStream_t>(stream));
   check(cudaGetLastError(), "dequantize launch");
 }

@@ -1,30 +1,53 @@
 // Entry points of the CPU and CUDA kernels. Pointers are raw device/host addresses handed over
 // by the Python wrapper; sizes are 64-bit. No torch or CUDA header is needed to include this.
+// Formats: NOTE [storage and RNG invariants] in common.h.
 #pragma once
 
 #include <cstdint>
 
 namespace gact {
 
-// x: n elements of dtype (0 fp32, 1 fp16, 2 bf16); out: ceil(n*bits/8) bytes;
-// lo, scale: ceil(n/group_size) floats each.
+// x: n elements of dtype (0 fp32, 1 fp16, 2 bf16) in memory order; out: ceil(n*bits/8) bytes;
+// lo, scale: ceil(n/group_size) floats each. `seed` selects the rounding noise; dequantize
+// derives its own stream (fp16/bf16 outputs are rounded stochastically) from the same seed.
 void quantize_cpu(const void* x, int dtype, int64_t n, int64_t group_size, int bits,
                   uint64_t seed, uint8_t* out, float* lo, float* scale, int threads);
 void dequantize_cpu(const uint8_t* data, const float* lo, const float* scale, int64_t n,
-                    int64_t group_size, int bits, int dtype, void* out, int threads);
+                    int64_t group_size, int bits, uint64_t seed, int dtype, void* out,
+                    int threads);
 // in: n bytes (0/1); out: ceil(n/8) bytes. Returns true if an input byte was > 1.
 bool pack_mask_cpu(const uint8_t* in, int64_t n, uint8_t* out, int threads);
 void unpack_mask_cpu(const uint8_t* in, int64_t n, uint8_t* out, int threads);
+// Integer packing, dtype 3..7 (uint8, int8, int16, int32, int64). int_params writes each
+// group's minimum and code width; the caller sums the groups' byte counts into `starts`
+// (exclusive prefix sum) and sizes `out`; pack_ints then writes the codes. unpack_ints fills
+// a group whose width exceeds 64 or whose bytes do not lie inside data[0, data_bytes) with its
+// minimum instead of reading out of bounds.
+void int_params_cpu(const void* x, int dtype, int64_t n, int64_t group_size, int64_t* mins,
+                    uint8_t* widths, int threads);
+void pack_ints_cpu(const void* x, int dtype, int64_t n, int64_t group_size, const int64_t* mins,
+                   const uint8_t* widths, const int64_t* starts, uint8_t* out, int threads);
+void unpack_ints_cpu(const uint8_t* data, int64_t data_bytes, const int64_t* mins,
+                     const uint8_t* widths, const int64_t* starts, int64_t n,
+                     int64_t group_size, int dtype, void* out, int threads);
 
 // Same contracts on a CUDA device; `stream` is a cudaStream_t, launches are asynchronous.
 void quantize_cuda(const void* x, int dtype, int64_t n, int64_t group_size, int bits,
                    uint64_t seed, uint8_t* out, float* lo, float* scale, int device,
                    void* stream);
 void dequantize_cuda(const uint8_t* data, const float* lo, const float* scale, int64_t n,
-                     int64_t group_size, int bits, int dtype, void* out, int device,
-                     void* stream);
+                     int64_t group_size, int bits, uint64_t seed, int dtype, void* out,
+                     int device, void* stream);
 // Bytes > 1 are packed as 1 (no validation on the device: it would need a sync).
 void pack_mask_cuda(const uint8_t* in, int64_t n, uint8_t* out, int device, void* stream);
 void unpack_mask_cuda(const uint8_t* in, int64_t n, uint8_t* out, int device, void* stream);
+void int_params_cuda(const void* x, int dtype, int64_t n, int64_t group_size, int64_t* mins,
+                     uint8_t* widths, int device, void* stream);
+void pack_ints_cuda(const void* x, int dtype, int64_t n, int64_t group_size, const int64_t* mins,
+                    const uint8_t* widths, const int64_t* starts, uint8_t* out, int device,
+                    void* stream);
+void unpack_ints_cuda(const uint8_t* data, int64_t data_bytes, const int64_t* mins,
+                      const uint8_t* widths, const int64_t* starts, int64_t n,
+                      int64_t group_size, int dtype, void* out, int device, void* stream);
 
 }  // namespace gact

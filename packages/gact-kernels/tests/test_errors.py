@@ -47,6 +47,8 @@ def test_non_tensor_inputs() -> None:
         gact_kernels.dequantize(torch.ones(3))
     with pytest.raises(TypeError, match="p must be a PackedMask, got QuantizedTensor"):
         gact_kernels.unpack_mask(gact_kernels.quantize(torch.ones(3), 2))
+    with pytest.raises(TypeError, match="p must be a PackedInts, got Tensor"):
+        gact_kernels.unpack_ints(torch.ones(3))
 
 
 def test_mask_wrong_dtype() -> None:
@@ -72,11 +74,33 @@ def test_cuda_tensor_on_cpu_only_build(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_public_api() -> None:
     assert sorted(gact_kernels.__all__) == [
         "CUDANotCompiledError",
+        "Compressed",
+        "FLOAT_DTYPES",
+        "INT_DTYPES",
+        "MASK_DTYPES",
+        "MAX_GROUP_SIZE",
+        "PackedInts",
         "PackedMask",
         "QuantizedTensor",
         "compiled_with_cuda",
+        "decompress",
         "dequantize",
+        "pack_ints",
         "pack_mask",
         "quantize",
+        "unpack_ints",
         "unpack_mask",
     ]
+    assert all(hasattr(gact_kernels, name) for name in gact_kernels.__all__)
+
+
+def test_exported_facts() -> None:
+    assert gact_kernels.MAX_GROUP_SIZE == 65536
+    assert gact_kernels.FLOAT_DTYPES == (torch.float32, torch.float16, torch.bfloat16)
+    assert gact_kernels.MASK_DTYPES == (torch.bool, torch.uint8)
+    assert set(gact_kernels.INT_DTYPES) == {
+        torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64
+    }  # fmt: skip
+    gact_kernels.quantize(torch.ones(8), 1, group_size=gact_kernels.MAX_GROUP_SIZE)
+    with pytest.raises(ValueError, match="group_size"):
+        gact_kernels.quantize(torch.ones(8), 1, group_size=gact_kernels.MAX_GROUP_SIZE + 8)

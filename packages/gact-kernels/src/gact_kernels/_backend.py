@@ -1,8 +1,4 @@
-"""Picks the compiled module for a tensor's device and appends its device arguments.
-
-The compiled modules take integers only (addresses, sizes, a device index and a
-``cudaStream_t``); this module is the single place that turns torch objects into them.
-"""
+"""Which compiled kernels exist: :func:`compiled_with_cuda` and :class:`CUDANotCompiledError`."""
 
 from __future__ import annotations
 
@@ -19,8 +15,20 @@ except ImportError:  # built without a CUDA compiler, or with GACT_KERNELS_CUDA=
 
 __all__ = ["DTYPE_CODES", "CUDANotCompiledError", "compiled_with_cuda", "launch", "require_device"]
 
-#: dtype -> code understood by the kernels (see ``csrc/common.h``).
-DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+# The compiled modules take integers only (addresses, sizes, a device index and a
+# ``cudaStream_t``); this module is the single place that turns torch objects into them.
+
+#: dtype -> code understood by the kernels (``enum DType`` in ``csrc/common.h``).
+DTYPE_CODES = {
+    torch.float32: 0,
+    torch.float16: 1,
+    torch.bfloat16: 2,
+    torch.uint8: 3,
+    torch.int8: 4,
+    torch.int16: 5,
+    torch.int32: 6,
+    torch.int64: 7,
+}
 
 _REBUILD_HINT = (
     "this gact-kernels build has no CUDA module. Reinstall it with nvcc on PATH, e.g. "

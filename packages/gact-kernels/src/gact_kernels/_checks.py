@@ -1,4 +1,4 @@
-"""Argument validation shared by the public functions; every error names its argument."""
+"""Argument validation shared by the public functions and containers; errors name the argument."""
 
 from __future__ import annotations
 
@@ -9,9 +9,19 @@ import torch
 
 from ._backend import require_device
 
-__all__ = ["MAX_GROUP_SIZE", "check_bits", "check_group_size", "check_seed", "check_tensor"]
+__all__ = [
+    "MAX_GROUP_SIZE",
+    "check_bits",
+    "check_buffer",
+    "check_dtype",
+    "check_group_size",
+    "check_seed",
+    "check_tensor",
+    "integer",
+]
 
-#: Largest accepted group size; group sizes must be multiples of 8 (see NOTE in ``csrc/common.h``).
+#: Largest accepted group size. Group sizes are multiples of 8 in [8, MAX_GROUP_SIZE]: a chunk of
+#: 8 codes always fills whole bytes (NOTE [storage and RNG invariants] in ``csrc/common.h``).
 MAX_GROUP_SIZE = 1 << 16
 
 
@@ -20,16 +30,22 @@ def _names(dtypes: Collection[torch.dtype]) -> str:
 
 
 def check_tensor(x: object, name: str, dtypes: Collection[torch.dtype]) -> torch.Tensor:
-    """Returns ``x`` if it is a tensor of an accepted dtype on a supported device."""
+    """Returns ``x`` if it is a dense tensor of an accepted dtype on a supported device."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.layout is not torch.strided:
+        raise ValueError(
+            f"{name}: layout {x.layout} is not supported (sparse and other non-strided layouts "
+            f"are not); pass a dense tensor, e.g. {name}.to_dense()"
+        )
     if x.dtype not in dtypes:
         raise ValueError(f"{name}: dtype {x.dtype} is not supported; accepted: {_names(dtypes)}")
     require_device(x.device, name)
     return x
 
 
-def _integer(value: object, name: str) -> int:
+def integer(value: object, name: str) -> int:
+    """Returns ``value`` as an int (anything with ``__index__`` except bool)."""
     if isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got bool")
     try:
@@ -38,28 +54,69 @@ def _integer(value: object, name: str) -> int:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
 
 
-def check_bits(bits: object) -> int:
+def check_bits(bits: object, name: str = "bits") -> int:
     """Returns ``bits`` as an int in 1..8."""
-    bits = _integer(bits, "bits")
+    bits = integer(bits, name)
     if not 1 <= bits <= 8:
-        raise ValueError(f"bits must be one of 1, 2, 3, 4, 5, 6, 7, 8; got {bits}")
+        raise ValueError(f"{name} must be one of 1, 2, 3, 4, 5, 6, 7, 8; got {bits}")
     return bits
 
 
-def check_group_size(group_size: object) -> int:
+def check_group_size(group_size: object, name: str = "group_size") -> int:
     """Returns ``group_size`` as an int: a multiple of 8 in [8, 65536]."""
-    group_size = _integer(group_size, "group_size")
+    group_size = integer(group_size, name)
     if group_size <= 0 or group_size % 8 or group_size > MAX_GROUP_SIZE:
         raise ValueError(
-            f"group_size must be a multiple of 8 between 8 and {MAX_GROUP_SIZE} "
+            f"{name} must be a multiple of 8 between 8 and {MAX_GROUP_SIZE} "
             f"(e.g. 64, 128, 256, 512); got {group_size}"
         )
     return group_size
 
 
-def check_seed(seed: object) -> int:
+def check_seed(seed: object, name: str = "seed") -> int:
     """Returns ``seed`` as an int in [0, 2**64)."""
-    seed = _integer(seed, "seed")
+    seed = integer(seed, name)
     if not 0 <= seed < 1 << 64:
-        raise ValueError(f"seed must be an int in [0, 2**64); got {seed}")
+        raise ValueError(f"{name} must be an int in [0, 2**64); got {seed}")
     return seed
+
+
+def check_dtype(dtype: object, accepted: Collection[torch.dtype], name: str) -> None:
+    """Raises unless ``dtype`` is one of the ``accepted`` dtypes."""
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{name} must be a torch.dtype, got {type(dtype).__name__}")
+    if dtype not in accepted:
+        raise ValueError(f"{name} must be one of {_names(accepted)}; got {dtype}")
+
+
+def check_buffer(
+    t: object, name: str, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device
+) -> None:
+    """Raises unless ``t`` is a contiguous, strided tensor of ``dtype``, ``shape`` and ``device``.
+
+    Used on the fields of the compressed containers before their addresses reach the kernels.
+    """
+    if (
+        isinstance(t, torch.Tensor)
+        and t.dtype is dtype
+        and t.layout is torch.strided
+        and t.shape == shape
+        and t.device == device
+        and t.is_contiguous()
+    ):
+        return  # the common case, in one expression: this runs on every restore
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype or t.layout is not torch.strided:
+        raise TypeError(f"{name} must be a dense {dtype} tensor; got a {t.layout} {t.dtype} one")
+    if t.shape != shape:
+        raise ValueError(
+            f"{name} must have shape {tuple(shape)} to match the container's metadata; got "
+            f"{tuple(t.shape)} (was it built by hand, or resized in place?)"
+        )
+    if t.device != device:
+        raise ValueError(
+            f"{name} is on {t.device} but the container's other buffers are on {device}"
+        )
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous; build it with .contiguous()")

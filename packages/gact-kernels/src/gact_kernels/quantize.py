@@ -1,8 +1,4 @@
-"""Per-group stochastic-rounding quantisation of float tensors to 1-8 bits.
-
-The byte format and the random stream are defined once, in NOTE [storage and RNG invariants]
-in ``csrc/common.h`` (summarised in the package README); ``reference.py`` restates them in torch.
-"""
+"""Per-group stochastic-rounding quantisation of float tensors to 1-8 bits."""
 
 from __future__ import annotations
 
@@ -12,30 +8,52 @@ import math
 import torch
 
 from ._backend import DTYPE_CODES, launch
-from ._checks import check_bits, check_group_size, check_seed, check_tensor
-from ._payload import Payload
+from ._checks import (
+    check_bits,
+    check_buffer,
+    check_dtype,
+    check_group_size,
+    check_seed,
+    check_tensor,
+)
+from ._compressed import Compressed
+from ._layout import check_layout, empty_with_layout, flat_view, memory_order
 
 __all__ = ["FLOAT_DTYPES", "QuantizedTensor", "dequantize", "quantize"]
 
 #: Input dtypes accepted by :func:`quantize`.
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
+# The byte format and both random streams are defined once, in NOTE [storage and RNG
+# invariants] in csrc/common.h; reference.py restates them in torch.
 
-@dataclasses.dataclass(frozen=True)
-class QuantizedTensor(Payload):
+
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class QuantizedTensor(Compressed):
     """A tensor compressed by :func:`quantize`; immutable, holds torch tensors on one device.
 
     Attributes:
         data: uint8, ceil(numel*bits/8) packed codes.
         lo: float32 per group, the group minimum (0 for lossless groups).
         scale: float32 per group, the step; NaN marks a group stored losslessly.
-        nonfinite_groups: int64 indices of the lossless groups (empty almost always).
-        nonfinite_values: their raw elements, shape (len(nonfinite_groups), group_size), in
+        lossless_groups: int64 indices of the groups stored losslessly: those holding NaN/Inf,
+            whose range overflows float32, or whose step would be subnormal (empty almost
+            always).
+        lossless_values: their raw elements, shape (len(lossless_groups), group_size), in
             ``dtype``; a partial last group repeats its final element.
         bits: code width, 1..8.
-        group_size: elements per group.
+        group_size: elements per group (consecutive in memory).
+        seed: the seed of :func:`quantize`; :func:`dequantize` derives the stochastic rounding
+            of float16/bfloat16 outputs from it.
         shape: shape of the original tensor.
+        stride: strides of the restored tensor (the original's when it was dense).
         dtype: dtype of the original tensor.
+
+    Example:
+        >>> import torch, gact_kernels
+        >>> q = gact_kernels.quantize(torch.randn(3, 100), 4, seed=1)
+        >>> q
+        QuantizedTensor(bits=4, group_size=256, seed=1, shape=torch.Size([3, 100]), stride=(100, 1), dtype=torch.float32, device=cpu, nbytes=166)
     """
 
     __slots__ = (
@@ -44,21 +62,25 @@ class QuantizedTensor(Payload):
         "dtype",
         "group_size",
         "lo",
-        "nonfinite_groups",
-        "nonfinite_values",
+        "lossless_groups",
+        "lossless_values",
         "scale",
+        "seed",
         "shape",
+        "stride",
     )
-    _BUFFERS = ("data", "lo", "scale", "nonfinite_groups", "nonfinite_values")
+    _BUFFERS = ("data", "lo", "scale", "lossless_groups", "lossless_values")
 
     data: torch.Tensor
     lo: torch.Tensor
     scale: torch.Tensor
-    nonfinite_groups: torch.Tensor
-    nonfinite_values: torch.Tensor
+    lossless_groups: torch.Tensor
+    lossless_values: torch.Tensor
     bits: int
     group_size: int
+    seed: int
     shape: torch.Size
+    stride: tuple[int, ...]
     dtype: torch.dtype
 
     @property
@@ -66,14 +88,40 @@ class QuantizedTensor(Payload):
         """Number of elements of the original tensor."""
         return math.prod(self.shape)
 
+    def _validate(self) -> None:
+        check_bits(self.bits, "QuantizedTensor.bits")
+        check_group_size(self.group_size, "QuantizedTensor.group_size")
+        check_seed(self.seed, "QuantizedTensor.seed")
+        check_dtype(self.dtype, FLOAT_DTYPES, "QuantizedTensor.dtype")
+        check_layout(self.shape, self.stride, "QuantizedTensor")
+        self._check_buffers()
 
-def element_index(groups: torch.Tensor, group_size: int, numel: int) -> torch.Tensor:
-    """Flat element indices of ``groups``, shape (len(groups), group_size), clamped to numel-1."""
+    def _check_buffers(self) -> None:
+        n, g = self.shape.numel(), self.group_size
+        groups = -(-n // g)
+        lossless = self.lossless_groups
+        k = lossless.shape[0] if isinstance(lossless, torch.Tensor) and lossless.dim() else 0
+        device = getattr(self.data, "device", None)
+        code_bytes = (n * self.bits + 7) // 8
+        check_buffer(self.data, "QuantizedTensor.data", torch.uint8, (code_bytes,), device)
+        check_buffer(self.lo, "QuantizedTensor.lo", torch.float32, (groups,), device)
+        check_buffer(self.scale, "QuantizedTensor.scale", torch.float32, (groups,), device)
+        check_buffer(lossless, "QuantizedTensor.lossless_groups", torch.int64, (k,), device)
+        check_buffer(
+            self.lossless_values, "QuantizedTensor.lossless_values", self.dtype, (k, g), device
+        )
+
+    def _decompress(self) -> torch.Tensor:
+        return dequantize(self)
+
+
+def _element_index(groups: torch.Tensor, group_size: int, numel: int) -> torch.Tensor:
+    """Flat indices of the elements of ``groups``, (len(groups), group_size), clamped in range."""
     offsets = torch.arange(group_size, device=groups.device)
-    return (groups[:, None] * group_size + offsets).clamp_(max=max(numel - 1, 0))
+    return (groups[:, None] * group_size + offsets).clamp_(0, max(numel - 1, 0))
 
 
-def lossless_groups(
+def _lossless(
     flat: torch.Tensor, scale: torch.Tensor, group_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Indices and raw elements of the groups flagged by a NaN scale.
@@ -83,7 +131,7 @@ def lossless_groups(
     groups = torch.isnan(scale).nonzero().flatten()
     if groups.numel() == 0:
         return groups, flat.new_empty((0, group_size))
-    return groups, flat[element_index(groups, group_size, flat.numel())]
+    return groups, flat[_element_index(groups, group_size, flat.numel())]
 
 
 def quantize(
@@ -91,21 +139,23 @@ def quantize(
 ) -> QuantizedTensor:
     """Compresses ``x`` to ``bits`` bits per element with unbiased stochastic rounding.
 
-    Each group of ``group_size`` consecutive elements (of the flattened tensor) is stored as
+    Each group of ``group_size`` consecutive elements (consecutive in memory) is stored as
     ``bits``-bit codes plus a float32 minimum and step (8 bytes per group). The rounding noise
     is a pure function of ``(seed, element index)``: the same input and seed give the same
-    bytes on any thread count and on CPU and CUDA. Non-contiguous inputs are copied with
-    ``.contiguous()`` first. On CUDA the kernel runs on the current stream; the call then
-    synchronises once, to find groups holding NaN/Inf (stored losslessly).
+    bytes on any thread count and on CPU and CUDA. A dense input (contiguous, channels-last,
+    any permutation) is read in place and :func:`dequantize` restores its strides; other
+    layouts are copied contiguous and come back contiguous. Groups holding NaN/Inf, or whose
+    range is too small for a normal float32 step, are stored losslessly. On CUDA the kernel
+    runs on the current stream; the call then synchronises once, to find such groups.
 
     Args:
-        x: float32, float16 or bfloat16 tensor of any shape, on CPU or CUDA.
+        x: dense float32, float16 or bfloat16 tensor of any shape, on CPU or CUDA.
         bits: code width, 1..8.
         group_size: elements per group, a multiple of 8 in [8, 65536].
         seed: int in [0, 2**64); use a fresh seed per tensor and step.
 
     Returns:
-        A :class:`QuantizedTensor`; :func:`dequantize` restores shape, dtype and device.
+        A :class:`QuantizedTensor`; :func:`dequantize` restores shape, strides, dtype, device.
 
     Example:
         >>> import torch, gact_kernels
@@ -120,7 +170,7 @@ def quantize(
     bits = check_bits(bits)
     group_size = check_group_size(group_size)
     seed = check_seed(seed)
-    flat = x.detach().contiguous().view(-1)
+    flat, stride = memory_order(x.detach())
     n = flat.numel()
     groups = -(-n // group_size)
     data = torch.empty((n * bits + 7) // 8, dtype=torch.uint8, device=x.device)
@@ -131,39 +181,45 @@ def quantize(
             "quantize", x.device, flat.data_ptr(), DTYPE_CODES[x.dtype], n, group_size, bits,
             seed, data.data_ptr(), lo.data_ptr(), scale.data_ptr(),
         )  # fmt: skip
-    bad_groups, bad_values = lossless_groups(flat, scale, group_size)
+    lossless_groups, lossless_values = _lossless(flat, scale, group_size)
     return QuantizedTensor(
-        data, lo, scale, bad_groups, bad_values, bits, group_size, x.shape, x.dtype
-    )
+        data, lo, scale, lossless_groups, lossless_values,
+        bits=bits, group_size=group_size, seed=seed, shape=x.shape, stride=stride, dtype=x.dtype,
+    )  # fmt: skip
 
 
 def dequantize(q: QuantizedTensor) -> torch.Tensor:
-    """Decompresses ``q`` to a new tensor of its original shape, dtype and device.
+    """Decompresses ``q`` to a new tensor of its original shape, strides, dtype and device.
 
-    Asynchronous on CUDA (current stream, no synchronisation).
+    Each element comes back as the level of its code, ``lo + code * scale`` in float32;
+    float16 and bfloat16 outputs round that level *stochastically* to their grid (with a
+    stream derived from ``q.seed``), so the round trip stays unbiased in the output dtype;
+    float32 outputs round it to nearest. Asynchronous on CUDA (current stream, no
+    synchronisation).
 
     Args:
         q: the result of :func:`quantize` (possibly moved with ``q.to(...)``).
 
     Returns:
-        A contiguous tensor; groups with NaN/Inf come back bit-exact.
+        A new tensor; lossless groups (NaN/Inf, tiny ranges) come back bit-exact.
 
     Example:
         >>> import torch, gact_kernels
-        >>> x = torch.full((300,), 1.5)
+        >>> x = torch.full((300,), 1.5).t()
         >>> torch.equal(gact_kernels.dequantize(gact_kernels.quantize(x, 1)), x)
         True
     """
     if not isinstance(q, QuantizedTensor):
         raise TypeError(f"q must be a QuantizedTensor, got {type(q).__name__}")
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    n = out.numel()
+    q._check_buffers()
+    out = empty_with_layout(q.shape, q.stride, q.dtype, q.device)
+    flat = flat_view(out)
+    n = flat.numel()
     if n:
         launch(
             "dequantize", q.device, q.data.data_ptr(), q.lo.data_ptr(), q.scale.data_ptr(), n,
-            q.group_size, q.bits, DTYPE_CODES[q.dtype], out.data_ptr(),
+            q.group_size, q.bits, q.seed, DTYPE_CODES[q.dtype], flat.data_ptr(),
         )  # fmt: skip
-    if q.nonfinite_groups.numel():
-        index = element_index(q.nonfinite_groups, q.group_size, n)
-        out.view(-1)[index] = q.nonfinite_values
+    if q.lossless_groups.numel():
+        flat[_element_index(q.lossless_groups, q.group_size, n)] = q.lossless_values
     return out

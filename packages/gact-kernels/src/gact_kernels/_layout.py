@@ -1,0 +1,100 @@
+"""Memory layouts: compressing a tensor in the order of its memory and restoring its strides."""
+
+from __future__ import annotations
+
+import functools
+import operator
+
+import torch
+
+from ._checks import integer
+
+__all__ = ["check_layout", "contiguous_stride", "empty_with_layout", "flat_view", "memory_order"]
+
+# NOTE [memory order]
+# A tensor whose elements tile one block of memory without gaps or overlaps ("non-overlapping
+# and dense": contiguous, channels-last, any permutation of dimensions) is compressed as that
+# block, in address order, with no copy; the container keeps its strides and the restored
+# tensor is allocated with ``torch.empty_strided(shape, stride)``, so a channels-last
+# activation comes back channels-last (compiled backward graphs assert on strides). Every other
+# tensor (overlapping, e.g. ``expand``; with gaps, e.g. slices) is copied contiguous first and
+# comes back contiguous. Group g is therefore "elements g*G .. of the memory block", not of the
+# logical C order; the two agree for contiguous tensors.
+
+
+def contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    """Strides of a C-contiguous tensor of ``shape``.
+
+    Example:
+        >>> contiguous_stride(torch.Size([2, 3, 4]))
+        (12, 4, 1)
+    """
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+@functools.lru_cache(maxsize=4096)  # a training step meets the same few layouts every time
+def _is_dense(shape: torch.Size, stride: tuple[int, ...]) -> bool:
+    """Whether ``stride`` lays ``shape`` out over one gapless, non-overlapping block."""
+    expected = 1
+    for st, size in sorted((st, size) for size, st in zip(shape, stride) if size != 1):
+        if st != expected:
+            return False
+        expected *= size
+    return True
+
+
+def memory_order(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """A flat view of ``x``'s elements in memory order, and the strides to restore.
+
+    See NOTE [memory order]: a non-overlapping, dense ``x`` is viewed without a copy; anything
+    else is copied contiguous.
+    """
+    x = x.resolve_neg()
+    n = x.numel()
+    stride = x.stride()
+    if n == 0 or x.is_contiguous() or _is_dense(x.shape, stride):
+        return x.as_strided((n,), (1,)), stride
+    x = x.contiguous()
+    return x.view(-1), x.stride()
+
+
+def flat_view(t: torch.Tensor) -> torch.Tensor:
+    """The storage block of a tensor built by :func:`empty_with_layout`, as a flat view."""
+    return t.as_strided((t.numel(),), (1,))
+
+
+def empty_with_layout(
+    shape: torch.Size, stride: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """An uninitialised tensor with ``shape`` and ``stride`` (validated by :func:`check_layout`)."""
+    return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+
+
+def check_layout(shape: object, stride: object, owner: str) -> int:
+    """Validates a container's ``shape`` and ``stride``; returns the number of elements."""
+    if not isinstance(shape, torch.Size):
+        raise TypeError(f"{owner}.shape must be a torch.Size, got {type(shape).__name__}")
+    if not isinstance(stride, tuple) or len(stride) != len(shape):
+        raise TypeError(
+            f"{owner}.stride must be a tuple of {len(shape)} ints (one per dimension of "
+            f"shape {tuple(shape)}); got {stride!r}"
+        )
+    if not all(type(st) is int and st >= 0 for st in stride):
+        for st in stride:
+            if integer(st, f"{owner}.stride entries") < 0:
+                raise ValueError(f"{owner}.stride must not be negative; got {stride}")
+        stride = tuple(operator.index(st) for st in stride)
+    n = shape.numel()
+    if n < 0 or any(size < 0 for size in shape):
+        raise ValueError(f"{owner}.shape must not hold negative sizes; got {tuple(shape)}")
+    if n and not _is_dense(shape, stride):
+        raise ValueError(
+            f"{owner}.stride {stride} does not lay shape {tuple(shape)} out densely without "
+            f"overlap; use the strides of a contiguous or permuted tensor, e.g. "
+            f"{contiguous_stride(shape)}"
+        )
+    return n
