@@ -16,7 +16,8 @@ from ._pareto import OutOfWork, Work, pareto_dp
 __all__ = ["Solution", "auto_max_states", "solve"]
 
 _NEAR = 12  # items re-optimised around the multiplier before the reduced-cost fixing
-_FILL_PASSES = 4  # passes of single-item moves into the greedy's slack
+_FILL_PASSES = 2  # passes of moves into the greedy's slack
+_MOVE_COST = 2  # work units per (item, choice) a fill pass looks at (~0.1 us, page faults included)
 
 
 def auto_max_states(n_items: int) -> int:
@@ -66,17 +67,19 @@ def solve(
 # dynamic programme of ``_pareto.py``, whose prunings are all valid bounds: a DP that runs to the
 # end proves its result optimal (up to floating-point rounding, relative ``1e-9`` of the gap).
 #
-# The smaller the gap, the smaller the core, so the incumbent is improved first: the greedy's
-# slack is spent by single-item moves (``_fill``), then the ``_NEAR`` items whose next choice is
-# cheapest in reduced cost are re-optimised by the same DP (the others kept).
+# The smaller the gap, the smaller the core, so the incumbent is improved first: the greedy is
+# continued past the segment that did not fit (``_fill``: moves into the slack by efficiency),
+# then the ``_NEAR`` items whose next choice is cheapest in reduced cost are re-optimised by the
+# same DP (the others kept).
 #
 # The DP's size is not bounded by the input size (items of distinct sizes near the multiplier
 # can leave thousands of core items and millions of states), so the search runs on a budget of
-# *work units* (``max_states``): every DP stage is charged its candidate states before they are
-# materialised, plus a fixed cost per stage. When the budget would be exceeded the search stops
-# and returns its incumbent, never worse than the greedy solution, with ``optimal`` False; the
-# bound ``L(λ)`` still holds, so the caller can state the gap. Counting work (not time) keeps the
-# result deterministic; time and memory are linear in items x choices plus the budget.
+# *work units* (``max_states``, about one per DP state): fill passes, DP stages and their
+# candidate states are charged before they run (NOTE [Pareto DP] for the beam a stage falls back
+# to). When the budget cannot pay for a step the search stops and returns its incumbent, never
+# worse than the greedy solution, with ``optimal`` False; the bound ``L(λ)`` still holds, so the
+# caller can state the gap. Counting work (not time) keeps the result deterministic; time and
+# memory are linear in items x choices plus the budget.
 #
 # Which instances are proven optimal: those whose search fits the budget. A core of ``k`` items
 # with ``m_i`` free choices needs at most ``k`` stages and ``2·Π m_i`` states, so the default
@@ -117,8 +120,8 @@ class _Search:
 
     def run(self) -> bool:
         """Improve ``best`` within the work budget; True if it is proven optimal."""
-        self._fill()
         try:
+            self._fill()
             free = self._free()
             if np.count_nonzero(free.T.sum(axis=0, dtype=np.int32) > 1) > _NEAR:
                 self._improve(self._near())
@@ -128,39 +131,63 @@ class _Search:
             fixed = free_t.sum(axis=0, dtype=np.int32) == 1
             column = np.arange(free.shape[1], dtype=np.int32)[:, None]
             self.best[fixed] = (free_t * column).sum(axis=0, dtype=np.int32)[fixed]
-            self._improve(np.flatnonzero(~fixed))
+            return self._improve(np.flatnonzero(~fixed))
         except OutOfWork:
             return False
-        return True
 
     def _free(self) -> np.ndarray:
         return self.red < self.gap * (1.0 + 1e-9) + self.tol
 
     def _fill(self) -> None:
-        """Spend the greedy's slack (``best`` is the greedy solution): every item's best move to
-        a heavier choice that fits (most variance removed) is taken in order of decreasing gain
-        while it fits, in a few passes over the moves that still fit (one move per item)."""
-        best, w_t, v_t = self.best, self.w.T, self.v.T
-        cols = np.arange(best.size)
-        here = w_t[best, cols]
-        slack = self.budget - int(here.sum())
-        # Choices not allowed cost _BIG (NOTE [Lower convex hull]), so they never fit, and no
-        # lighter choice has less variance than a hull vertex: only heavier ones gain.
-        gain = np.where(w_t <= here + slack, v_t[best, cols] - v_t, 0.0)
-        to = np.argmax(gain, axis=0)
-        gain, extra = gain[to, cols], w_t[to, cols] - here
-        moves = np.flatnonzero(gain > 0.0)
-        moves = moves[np.argsort(-gain[moves], kind="stable")]
+        """Spend the greedy's slack (``best`` is the greedy solution), continuing the greedy past
+        the segment that did not fit: each pass moves items to their most efficient heavier
+        choice (variance removed per bit) in order of decreasing efficiency while the moves fit;
+        the second pass revisits only the items that had a move that fit. A pass is skipped
+        when the work budget cannot pay for it."""
+        best = self.best
+        slack = self.budget - int(self.w[np.arange(best.size), best].sum())
+        items = None
         for _ in range(_FILL_PASSES):
-            moves = moves[extra[moves] <= slack]
-            if moves.size == 0:
+            units = _MOVE_COST * self.w.size * (1.0 if items is None else items.size / best.size)
+            if units > self.work.left:
                 break
-            used = np.cumsum(extra[moves])
-            take = int(np.searchsorted(used, slack, side="right"))  # >= 1: the first fits
-            best[moves[:take]] = to[moves[:take]]
-            slack -= int(used[take - 1])
-            moves = moves[take:]
-        self.gap = float(self.red[cols, best].sum()) + self.lam * slack
+            self.work.spend(units)
+            efficiency, to, extra = self._moves(items, slack)
+            fits = np.flatnonzero(efficiency > 0.0)
+            if fits.size == 0:
+                break
+            items = fits if items is None else items[fits]
+            efficiency, to, extra = efficiency[fits], to[fits], extra[fits]
+            order = np.argsort(-efficiency, kind="stable")
+            taken = order[np.cumsum(extra[order]) <= slack]
+            best[items[taken]] = to[taken]
+            slack -= int(extra[taken].sum())
+        rows = np.arange(best.size)
+        self.gap = float(self.red[rows, best].sum()) + self.lam * slack
+
+    def _moves(
+        self, items: np.ndarray | None, slack: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per item (all if None): the most variance removed per bit by a heavier choice within
+        ``slack`` bits (0 if none), that choice and its extra cost."""
+        w_t, v_t, here = self.w.T, self.v.T, self.best
+        if items is not None:
+            w_t, v_t, here = w_t[:, items], v_t[:, items], here[items]
+        cols = np.arange(here.size)
+        w_here = w_t[here, cols]
+        # Choices not allowed cost _BIG (NOTE [Lower convex hull]) and never fit the slack.
+        extra = w_t - w_here
+        with np.errstate(divide="ignore", invalid="ignore"):
+            efficiency = np.where(
+                (extra > 0) & (extra <= slack), (v_t[here, cols] - v_t) / extra, 0.0
+            )
+        # Row by row: numpy's argmax over the short leading axis is several times slower.
+        top, to = efficiency[0].copy(), np.zeros(here.size, dtype=np.intp)
+        for j in range(1, efficiency.shape[0]):
+            better = efficiency[j] > top
+            top = np.where(better, efficiency[j], top)
+            to[better] = j
+        return top, to, extra[to, cols]
 
     def _near(self) -> np.ndarray:
         """The ``_NEAR`` items whose cheapest other choice has the smallest reduced cost."""
@@ -173,17 +200,18 @@ class _Search:
         near = np.flatnonzero(nearest <= kth)
         return near[np.argsort(nearest[near], kind="stable")[:_NEAR]]
 
-    def _improve(self, items: np.ndarray) -> None:
-        """Re-optimise ``items`` (the others kept) if that beats the incumbent."""
+    def _improve(self, items: np.ndarray) -> bool:
+        """Re-optimise ``items`` (the others kept) if that beats the incumbent; True if the
+        result is optimal for them (the DP left no state out)."""
         w, red, best = self.w, self.red, self.best
         rows = np.arange(best.size)
         cap = self.budget - int(w[rows, best].sum()) + int(w[items, best[items]].sum())
         limit = self.gap * (1.0 + 1e-9)
         free = self.ok[items] & (red[items] < limit + self.tol[items])
-        picked = pareto_dp(w[items], red[items], free, cap, self.lam, limit, self.work)
-        if picked is None:
-            return
-        best[items] = picked
-        self.gap = float(red[rows, best].sum()) + self.lam * (
-            self.budget - int(w[rows, best].sum())
-        )
+        picked, exact = pareto_dp(w[items], red[items], free, cap, self.lam, limit, self.work)
+        if picked is not None:
+            best[items] = picked
+            self.gap = float(red[rows, best].sum()) + self.lam * (
+                self.budget - int(w[rows, best].sum())
+            )
+        return exact

@@ -102,6 +102,7 @@ def _class_stage(
     options: list[tuple[tuple[int, ...], int, float]] = [((), 0, 0.0)]
     for j in range(2, cols.size):
         grown = []
+        affordable = work.left / _OPTION_COST
         for cnt, used, red in options:
             t = 0
             while used + t <= q and red + t * rj[j] < limit:
@@ -109,6 +110,8 @@ def _class_stage(
                 t += 1
                 if len(grown) > _MAX_CLASS_OPTIONS:
                     return None
+                if len(grown) > affordable:
+                    raise OutOfWork
         work.spend(_OPTION_COST * len(grown))
         options = grown
     counts = np.array([o[0] for o in options], dtype=np.int64).reshape(len(options), -1)
@@ -203,6 +206,14 @@ def _pareto(rem: np.ndarray, key: np.ndarray) -> np.ndarray:
 # cost ``λ·slack`` with its ``Σ r`` reaches the incumbent's value (``limit``). The final state
 # minimising ``Σ r + λ·capacity left`` is the best completion; the history of kept indices gives
 # its choices back.
+#
+# Work: the stages are charged when they are built, their candidate states before they are
+# materialised. A stage may spend the work left less one state's options per later stage
+# (``allowance``), so a DP whose states all fit the budget runs exactly as without one; when a
+# stage's candidates would exceed it, only the states with the smallest lower bound on their
+# final value (``Σ r + λ·max(capacity left - what this and later stages can take, 0)``) are
+# expanded (a beam). The DP then still returns its best completion, an incumbent at least as
+# good as the one it was given, but no longer proves anything: ``exact`` is False.
 
 
 def pareto_dp(
@@ -213,68 +224,95 @@ def pareto_dp(
     lam: float,
     limit: float,
     work: Work,
-) -> np.ndarray | None:
-    """Best core choice with ``Σ r + λ·slack < limit``, or None if no state beats the limit.
+) -> tuple[np.ndarray | None, bool]:
+    """Best core choice with ``Σ r + λ·slack < limit`` (None if no state beats the limit) and
+    whether that is exact (no state was left out for lack of work).
 
-    Raises ``OutOfWork`` when the next stage would exceed the work budget.
+    Raises ``OutOfWork`` when the stages alone (or one state of a stage) exceed the budget.
     """
     stages = _stages(w, r, free, limit, work)
     spans = np.array([s.span for s in stages] + [(0, 0)], dtype=np.int64)
     suffix = np.cumsum(spans[::-1], axis=0)[::-1].tolist()  # bounds on what later stages use
+    options = np.array([s.d_w.size for s in stages] + [0])
+    reserve = np.cumsum(options[::-1])[::-1].tolist()  # one state per later stage
     rem = np.array([cap], dtype=np.int64)  # capacity left, per state
     red = np.zeros(1)
-    history: list[tuple[np.ndarray, int, tuple[np.ndarray, ...] | None]] = []
+    exact = True
+    history: list[tuple[np.ndarray, int, tuple[np.ndarray, ...] | None, np.ndarray | None]] = []
     for i, st in enumerate(stages):
         lo_next, hi_next = suffix[i + 1]
-        n_states = rem.size
+        allowance = work.left - reserve[i + 1]
         if st.d <= 0:  # no k to choose: every (option, state) pair once, option-major
-            work.spend(n_states * st.d_w.size)
+            kept = None
+            if rem.size * st.d_w.size > allowance:
+                cost = np.full(rem.size, st.d_w.size)
+                kept = _promising(rem, red, suffix[i][1], lam, cost, allowance)
+                rem, red = rem[kept], red[kept]
+            work.spend(rem.size * st.d_w.size)
             rem_new = (rem[None, :] - st.d_w[:, None]).ravel()
             red_new = (red[None, :] + st.d_r[:, None]).ravel()
             origin = None
         else:
-            rem_new, red_new, *origin = _class_pairs(
-                st, rem, red, lo_next, hi_next, lam, limit, work
+            rem_new, red_new, kept, *origin = _class_pairs(
+                st, rem, red, (lo_next, hi_next, suffix[i][1]), lam, limit, work, allowance
             )
+        exact &= kept is None
+        n_states = rem.size if kept is None else kept.size
         short = np.maximum(rem_new - hi_next, 0)
         idx = np.flatnonzero((rem_new >= lo_next) & (red_new + lam * short < limit))
         if idx.size == 0:
-            return None
+            return None, exact
         rem_new, red_new = rem_new[idx], red_new[idx]
         sel = _pareto(rem_new, red_new + lam * rem_new.astype(np.float64))
         rem, red = rem_new[sel], red_new[sel]
-        history.append((idx[sel], n_states, None if origin is None else tuple(origin)))
+        history.append((idx[sel], n_states, None if origin is None else tuple(origin), kept))
     total_key = red + lam * rem.astype(np.float64)
     state = int(np.argmin(total_key))
     if not total_key[state] < limit / (1.0 + 1e-9) * (1.0 - 1e-9):
-        return None
+        return None, exact
     out = np.empty(w.shape[0], dtype=np.int64)
-    for st, (cand, n_states, origin) in zip(stages[::-1], history[::-1]):
+    for st, (cand, n_states, origin, kept) in zip(stages[::-1], history[::-1]):
         c = int(cand[state])
         if origin is None:
             state, opt, k = c % n_states, c // n_states, 0
         else:
             state, opt, k = (int(a[c]) for a in origin)
+        if kept is not None:
+            state = int(kept[state])
         out[st.members] = st.assign(opt, k)
-    return out
+    return out, exact
+
+
+def _promising(
+    rem: np.ndarray, red: np.ndarray, reach: int, lam: float, cost: np.ndarray, allowance: float
+) -> np.ndarray:
+    """Indices (ascending) of the states with the smallest lower bound on their final value
+    whose expansion ``cost`` fits ``allowance`` (at least one state)."""
+    bound = red + lam * np.maximum(rem - reach, 0).astype(np.float64)
+    order = np.argsort(bound, kind="stable")
+    take = max(int(np.searchsorted(np.cumsum(cost[order]), allowance, side="right")), 1)
+    return np.sort(order[:take])
 
 
 def _class_pairs(
     st: _Stage,
     rem: np.ndarray,
     red: np.ndarray,
-    lo_next: int,
-    hi_next: int,
+    window: tuple[int, int, int],
     lam: float,
     limit: float,
     work: Work,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Candidate states ``(rem, red, parent, option, k)`` of a class stage.
+    allowance: float,
+) -> tuple[np.ndarray, ...]:
+    """Candidate states ``(rem, red, kept, parent, option, k)`` of a class stage.
 
     ``k`` of the ``rest`` items take ``hi`` (cost ``+d``, reduced cost ``+dr`` each). Per
     (state, option) pair, ``k`` is bounded by the capacity, the shortfall bound and the
     reduced-cost limit (a superset, with a margin for rounding); the caller filters exactly.
+    ``window`` is what the later stages need at least and can take at most, and what this and
+    the later stages can take; ``kept`` the states expanded when not all fit ``allowance``.
     """
+    lo_next, hi_next, reach = window
     n_opt = st.d_w.size
     base_rem = rem[:, None] - st.d_w[None, :]  # with k = 0
     base_red = red[:, None] + st.d_r[None, :]
@@ -289,11 +327,16 @@ def _class_pairs(
         elif st.dr < 0.0:
             kmin = np.maximum(kmin, (limit - base_red) / st.dr - 1.0)
     klo = np.maximum(np.floor(np.clip(kmin, -1.0, top)).astype(np.int64), 0)
-    cnt = np.maximum(khi - klo + 1, 0).ravel()
+    cnt = np.maximum(khi - klo + 1, 0)
+    kept = None
+    if cnt.sum() > allowance:
+        kept = _promising(rem, red, reach, lam, cnt.sum(axis=1), allowance)
+        base_rem, base_red, klo, cnt = base_rem[kept], base_red[kept], klo[kept], cnt[kept]
+    cnt = cnt.ravel()
     total = int(cnt.sum())
     work.spend(total)
     pair = np.repeat(np.arange(cnt.size), cnt)
     k = klo.ravel()[pair] + (np.arange(total) - (np.cumsum(cnt) - cnt)[pair])
     rem_new = base_rem.ravel()[pair] - k * st.d
     red_new = base_red.ravel()[pair] + k * st.dr
-    return rem_new, red_new, pair // n_opt, pair % n_opt, k
+    return rem_new, red_new, kept, pair // n_opt, pair % n_opt, k
