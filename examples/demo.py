@@ -128,6 +128,7 @@ def print_table(args: argparse.Namespace, records: list[dict[str, Any]]) -> None
     """One row per level, then the notes that say what each column measures."""
     ok = [r for r in records if "final_metric" in r]
     base = next((r for r in ok if r["level"] == BASELINE), None)
+    base_saved, base_peak = (base["stored_bytes"], _peak(base)) if base else (None, None)
     header = (
         f"{'level':<6} {'bits':<20} {'test acc':>8} {'saved act./step':>16} {'fp32/level':>10} | "
         f"{'peak memory':>12} {'fp32/level':>10}"
@@ -137,8 +138,8 @@ def print_table(args: argparse.Namespace, records: list[dict[str, Any]]) -> None
         if "final_metric" not in r:
             print(f"{level_label(r['level']):<6} failed: {r['error']}")
             continue
-        saved_ratio = _times(base and base["stored_bytes"], r["stored_bytes"])
-        peak_ratio = _times(base and _peak(base), _peak(r))
+        saved_ratio = _times(base_saved, r["stored_bytes"])
+        peak_ratio = _times(base_peak, _peak(r))
         print(
             f"{level_label(r['level']):<6} {bits_label(r['level']):<20} "
             f"{r['final_metric']:>8.2%} {fmt_bytes(r['stored_bytes']):>16} {saved_ratio:>10} | "
@@ -164,6 +165,7 @@ def draw_chart(
     ok = [r for r in records if "final_metric" in r]
     labels = [chart_label(r["level"]) for r in ok]
     base = next((r for r in ok if r["level"] == BASELINE), None)
+    base_saved, base_peak = (base["stored_bytes"], _peak(base)) if base else (None, None)
     acc = [r["final_metric"] * 100 for r in ok]
     saved = [r["stored_bytes"] for r in ok]
     peaks = [_peak(r) or float("nan") for r in ok]
@@ -173,7 +175,7 @@ def draw_chart(
             f"saved activations per step (MiB)\nbatch {args.batch_size}",
             labels,
             [s * MIB for s in saved],
-            _notes(ok, saved, base and base["stored_bytes"]),
+            _notes(ok, saved, base_saved),
         ),
     ]
     if any(p == p for p in peaks):  # NaN != NaN: at least one memory run succeeded
@@ -182,7 +184,7 @@ def draw_chart(
                 f"peak memory over baseline (MiB)\n3-step run at batch {args.mem_batch}",
                 labels,
                 [p * MIB for p in peaks],
-                _notes(ok, peaks, base and _peak(base)),
+                _notes(ok, peaks, base_peak),
             )
         )
     footnote = (

@@ -11,6 +11,10 @@ import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 __all__ = ["Panel", "bar_chart"]
 
@@ -48,7 +52,7 @@ class Panel:
                 )
 
 
-def _draw(ax, panel: Panel) -> None:  # ax: matplotlib.axes.Axes
+def _draw(ax: Axes, panel: Panel) -> None:
     x = list(range(len(panel.labels)))
     vals = [v if math.isfinite(v) else 0.0 for v in panel.values]
     ax.bar(

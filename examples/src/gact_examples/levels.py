@@ -1,8 +1,4 @@
-"""How the examples name GACT levels in tables and charts.
-
-Level ``L0`` installs GACT's hooks but stores every tensor as it is: it is the fp32 baseline,
-measured by the same code as the compressing levels, and every table calls it ``fp32``.
-"""
+"""How the examples name GACT levels in tables and charts."""
 
 from __future__ import annotations
 
@@ -10,7 +6,10 @@ import gact
 
 __all__ = ["BASELINE", "bits_label", "chart_label", "level_label"]
 
-#: The level that measures without compressing: the fp32 baseline of every comparison.
+# NOTE [fp32 is level L0]
+# Every comparison's fp32 baseline runs at level L0: GACT's hooks are installed and count each
+# saved tensor but store it as it is. Saved-activation bytes are thus measured by the same code at
+# every level, and tables and charts call L0 "fp32" (level_label) so that one name means one run.
 BASELINE = "L0"
 
 

@@ -118,7 +118,9 @@ def base_parser(
     return p
 
 
-def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, *, needs_data: bool):
+def check_args(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, *, needs_data: bool
+) -> None:
     """Reject option combinations the parser cannot see, through ``parser.error`` (exit code 2).
 
     Args:
