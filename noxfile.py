@@ -15,10 +15,12 @@ holding ``mnist/``, ``cora/``, ... (default ``../shared/data`` beside the reposi
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
 import shutil
+import tempfile
 from functools import cache
 from pathlib import Path
 
@@ -46,16 +48,16 @@ BENCH_SCRIPTS = {
 }
 BENCH_IDS = list(BENCH_SCRIPTS)
 DATA = Path(os.environ.get("GACT_DATA", ROOT.parent / "shared" / "data"))
-WHEELHOUSE = ROOT / ".nox" / "_wheelhouse"
 
 # NOTE [one gact-kernels wheel per source state]
 # Compiling gact-kernels (C++ always, CUDA whenever nvcc is on PATH) is the slowest install step,
 # and every session but lint and tests(policy) needs it. It is built once, with pip's output
-# shown, into WHEELHOUSE/<key>/, where <key> hashes the files that go into the wheel (all of the
-# package but tests/, benchmarks/, build folders and compiled objects), the build options read
-# from the environment, the nvcc found and the Python version; every session installs that wheel. So `nox -s lint tests` compiles once,
-# a later run reuses the wheel until a source or option changes, and a clean checkout (CI)
-# always compiles, CUDA included where nvcc is. Delete .nox/_wheelhouse to force a rebuild.
+# shown, into <nox envdir>/_wheelhouse/<key>/ (.nox/_wheelhouse by default). <key> hashes the
+# files that go into the wheel (the package but tests/, benchmarks/, build folders, compiled
+# objects), the build options read from the environment, the nvcc found and the Python version;
+# every session installs that wheel. So `nox -s lint tests` compiles once, a later run reuses the
+# wheel until a source or an option changes, and a clean checkout (CI) always compiles, CUDA
+# included where nvcc is. Delete .nox/_wheelhouse to force a rebuild.
 _BUILD_ENV = ("SKBUILD_CMAKE_DEFINE", "SKBUILD_CMAKE_ARGS", "CMAKE_ARGS", "CUDAARCHS", "CXX")
 _NOT_SOURCES = {"tests", "benchmarks", "build", "dist", "_skbuild", "__pycache__", ".hypothesis"}
 
@@ -77,27 +79,20 @@ def _kernels_key() -> str:
 
 def _kernels_wheel(session: nox.Session) -> Path:
     """The gact-kernels wheel of the current sources and options, built on first use."""
-    folder = WHEELHOUSE / _kernels_key()
+    wheelhouse = Path(session.virtualenv.location).parent / "_wheelhouse"  # in nox's --envdir
+    folder = wheelhouse / _kernels_key()
     wheels = sorted(folder.glob("gact_kernels-*.whl"))
     if wheels:
-        session.log(f"gact-kernels: reusing {wheels[0].relative_to(ROOT)} (sources unchanged)")
+        session.log(f"gact-kernels: reusing {wheels[0]} (same sources and options)")
         return wheels[0]
     cuda = "C++ and CUDA (nvcc found)" if shutil.which("nvcc") else "C++ only (no nvcc on PATH)"
     session.log(f"gact-kernels: compiling the wheel once for all sessions, {cuda}; ~1-3 min")
-    partial = folder.with_name(folder.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    session.run(
-        "python",
-        "-m",
-        "pip",
-        "wheel",
-        "--no-deps",
-        "-v",
-        "-w",
-        str(partial),
-        str(PACKAGES["kernels"]),
-    )
-    partial.rename(folder)
+    wheelhouse.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f"{folder.name}.", dir=wheelhouse))
+    pip_wheel = ("python", "-m", "pip", "wheel", "--no-deps", "-v", "-w", str(partial))
+    session.run(*pip_wheel, str(PACKAGES["kernels"]))
+    with contextlib.suppress(OSError):  # a concurrent nox run may have finished first
+        partial.rename(folder)
     return next(folder.glob("gact_kernels-*.whl"))
 
 

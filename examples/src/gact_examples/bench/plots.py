@@ -56,9 +56,8 @@ def _peak_panel(plan: Plan, ex: Example, runs: dict[str, list[dict[str, Any]]]) 
         "" if math.isnan(p) or math.isnan(fp32) or lv == BASELINE else f"{fp32 / p:.1f}x less"
         for lv, p in zip(plan.levels, peaks)
     ]
-    config = " ".join((ex.mem or ())[-4:])
     return Panel(
-        f"{ex.title}\npeak memory over baseline (MiB)\n{config}",
+        f"{ex.title}\npeak memory over baseline (MiB)\n{ex.mem_title}",
         _labels(plan),
         [p * MIB for p in peaks],
         notes,

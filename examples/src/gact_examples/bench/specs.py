@@ -96,6 +96,7 @@ class Example:
         train: options of the training runs (full size).
         quick: options of the training runs with ``--quick``.
         mem: options of the activation-dominated memory run (``--get-mem``); None for none.
+        mem_title: the memory run's configuration in a few words, for chart titles.
         metric: how its final metric is compared.
         target: allowed L2 gap to fp32 (points, or % of the loss).
         checked: whether the target counts in the checklist (False: shown for reference only).
@@ -108,6 +109,7 @@ class Example:
     train: tuple[str, ...]
     quick: tuple[str, ...]
     mem: tuple[str, ...] | None = None
+    mem_title: str = ""
     metric: Metric = ACCURACY
     target: float = 0.5
     checked: bool = True
@@ -140,6 +142,7 @@ EXAMPLES = (
         _a("--dataset mnist --epochs 1 --train-subset 15000"),
         _a("--dataset mnist --epochs 1 --train-subset 2000 --test-subset 2000"),
         mem=_a("--dataset mnist --blocks 3 --batch-size 512 --mem-steps 3"),
+        mem_title="3 blocks per stage, batch 512",
         target=0.3,
         max_batch=True,
     ),
@@ -159,6 +162,7 @@ EXAMPLES = (
         _a("--epochs 1 --steps-per-epoch 250"),
         _a("--epochs 1 --steps-per-epoch 40 --eval-batches 5"),
         mem=_a("--n-layer 6 --batch-size 64 --block-size 128 --mem-steps 3"),
+        mem_title="6 layers, batch 64 x 128 tokens",
         metric=VAL_LOSS,
         target=2.0,
         max_batch=True,
