@@ -1,12 +1,15 @@
-"""Throughput of gact_kernels.quantize/dequantize beside ``x.clone()`` and the torch reference.
+"""Throughput of gact_kernels beside ``x.clone()``; sizes of packed integer tensors.
 
-For each available device, input dtype (fp32, bf16; 64 MiB by default) and width (1, 2, 4, 8
-bits) it times, as the median of several repeats: ``x.clone()``, ``quantize``, ``dequantize``
-and the pure-torch reference of both. GB/s counts the bytes each operation moves (reads plus
-writes): copy 2*N*s; quantize N*s + packed + 8 bytes/group; dequantize the reverse.
+Quantisation: for each available device, input dtype (fp32, bf16; 64 MiB by default) and width
+(1, 2, 4, 8 bits) it times, as the median of several interleaved repeats: ``x.clone()``,
+``quantize``, ``dequantize`` and the pure-torch reference of both. GB/s counts the bytes each
+operation moves (reads plus writes): copy 2*N*s; quantize N*s + packed + 8 bytes/group;
+dequantize the reverse. Targets (reported, not asserted): CPU round trip <= 3x the copy time
+and >= 10x faster than the reference; CUDA quantize and dequantize >= 70% of copy bandwidth.
 
-Targets (reported, not asserted): CPU round trip <= 3x the copy time and >= 10x faster than
-the reference; CUDA quantize and dequantize >= 70% of the copy bandwidth.
+Integer packing: the int64 indices of a ResNet stem max-pool (3x3, stride 2, on a
+(32, 64, 112, 112) activation, NCHW and channels-last) and GPT-2-sized token ids: bytes before
+and after ``pack_ints``, and ``pack_ints`` / ``unpack_ints`` time as a share of ``x.clone()``.
 
 Usage:
     python packages/gact-kernels/benchmarks/bench_kernels.py [--json results.json]
@@ -22,6 +25,7 @@ from typing import Callable
 
 import gact_kernels
 import torch
+import torch.nn.functional as F
 from gact_kernels.reference import reference_dequantize, reference_quantize
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -93,12 +97,16 @@ def bench_one(x: torch.Tensor, bits: int, repeats: int, ref_repeats: int) -> dic
     }
 
 
-def run(args: argparse.Namespace) -> list[dict[str, object]]:
+def _devices() -> list[torch.device]:
     devices = [torch.device("cpu")]
     if torch.cuda.is_available() and gact_kernels.compiled_with_cuda():
         devices.append(torch.device("cuda"))
+    return devices
+
+
+def run(args: argparse.Namespace) -> list[dict[str, object]]:
     rows = []
-    for device in devices:
+    for device in _devices():
         for name in args.dtypes:
             dtype = DTYPES[name]
             numel = args.size_mib * 2**20 // torch.empty((), dtype=dtype).element_size()
@@ -126,6 +134,75 @@ def print_row(r: dict[str, object]) -> None:
         f"{r['speedup_over_reference']:6.1f}x",
         flush=True,
     )
+
+
+def int_cases(device: torch.device, scale: int) -> dict[str, torch.Tensor]:
+    """Integer tensors a training step saves; ``scale`` divides the batch (for quick runs)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(32 // scale, 64, 112, 112, device=device, generator=gen).relu_()
+    _, pool = F.max_pool2d(x, 3, stride=2, padding=1, return_indices=True)
+    _, pool_cl = F.max_pool2d(
+        x.contiguous(memory_format=torch.channels_last), 3, 2, 1, return_indices=True
+    )
+    del x
+    tokens = torch.randint(0, 50257, (32 // scale, 1024), device=device, generator=gen)
+    return {"maxpool_nchw": pool, "maxpool_channels_last": pool_cl, "token_ids": tokens}
+
+
+def bench_ints(name: str, x: torch.Tensor, repeats: int) -> dict[str, object]:
+    p = gact_kernels.pack_ints(x)
+    assert torch.equal(gact_kernels.unpack_ints(p), x)
+    t = median_seconds(
+        {
+            "copy": x.clone,
+            "pack": lambda: gact_kernels.pack_ints(x),
+            "unpack": lambda: gact_kernels.unpack_ints(p),
+        },
+        x.device,
+        repeats,
+    )
+    widths = p.widths.float()
+    return {
+        "device": x.device.type,
+        "case": name,
+        "shape": list(x.shape),
+        "dtype": str(x.dtype).replace("torch.", ""),
+        "raw_bytes": x.numel() * x.element_size(),
+        "packed_bytes": p.nbytes,
+        "ratio": x.numel() * x.element_size() / p.nbytes,
+        "mean_width": widths.mean().item(),
+        "max_width": int(widths.max().item()),
+        "copy_ms": t["copy"] * 1e3,
+        "pack_ms": t["pack"] * 1e3,
+        "unpack_ms": t["unpack"] * 1e3,
+        "pack_over_copy": t["pack"] / t["copy"],
+        "unpack_over_copy": t["unpack"] / t["copy"],
+    }
+
+
+INT_HEADER = (
+    f"{'device':6} {'case':22} {'MiB':>7} {'packed MiB':>10} {'ratio':>6} {'bits':>5} "
+    f"{'copy ms':>8} {'pack ms':>8} {'unpack ms':>9} {'pack/copy':>9} {'unpack/copy':>11}"
+)
+
+
+def print_int_row(r: dict[str, object]) -> None:
+    print(
+        f"{r['device']:6} {r['case']:22} {r['raw_bytes'] / 2**20:7.1f} "
+        f"{r['packed_bytes'] / 2**20:10.2f} {r['ratio']:6.2f} {r['mean_width']:5.1f} "
+        f"{r['copy_ms']:8.2f} {r['pack_ms']:8.2f} {r['unpack_ms']:9.2f} "
+        f"{r['pack_over_copy']:9.2f} {r['unpack_over_copy']:11.2f}",
+        flush=True,
+    )
+
+
+def run_ints(args: argparse.Namespace) -> list[dict[str, object]]:
+    rows = []
+    for device in _devices():
+        for name, x in int_cases(device, args.int_batch_divisor).items():
+            rows.append(bench_ints(name, x, args.repeats))
+            print_int_row(rows[-1])
+    return rows
 
 
 def summarise(rows: list[dict[str, object]]) -> None:
@@ -156,17 +233,26 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9, help="timed runs per kernel")
     parser.add_argument("--ref-repeats", type=int, default=3, help="timed runs of the reference")
     parser.add_argument("--threads", type=int, help="CPU threads (default: torch's default)")
+    parser.add_argument(
+        "--int-batch-divisor", type=int, default=1, help="shrink the integer cases' batch"
+    )
+    parser.add_argument("--only", choices=["quantize", "ints"], help="run one part only")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads")
-    print(HEADER)
-    rows = run(args)
-    summarise(rows)
+    rows, int_rows = [], []
+    if args.only != "ints":
+        print(HEADER)
+        rows = run(args)
+        summarise(rows)
+    if args.only != "quantize":
+        print(INT_HEADER)
+        int_rows = run_ints(args)
     if args.json:
         meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), **vars(args)}
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=2)
+            json.dump({"meta": meta, "rows": rows, "int_rows": int_rows}, f, indent=2)
 
 
 if __name__ == "__main__":
