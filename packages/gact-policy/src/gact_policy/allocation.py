@@ -198,8 +198,12 @@ def allocate(
                 f"max_states must be 'auto', an integer >= 0 or None, got {max_states!r}"
             )
         max_states = auto_max_states(n)
-    elif max_states is not None and integer_scalar(max_states, "max_states") < 0:
-        raise ValueError(f"max_states must be 'auto', an integer >= 0 or None, got {max_states}")
+    elif max_states is not None:
+        max_states = integer_scalar(max_states, "max_states")
+        if max_states < 0:
+            raise ValueError(
+                f"max_states must be 'auto', an integer >= 0 or None, got {max_states}"
+            )
     costs = _problem.costs(
         numel,
         n,
@@ -286,10 +290,13 @@ def allocate_bits(
         lower: smallest allowed reported width, scalar or per item.
         upper: largest allowed reported width, scalar or per item (``upper=8`` forbids full
             precision).
-        pinned: per-item width, 0 for free items; a pin overrides choices and bounds.
-        max_states: work budget of the exact search, in DP states (None: unlimited, which can
-            take minutes and gigabytes on large instances). The default keeps 10,000 items
-            under about 10 ms.
+        pinned: per-item width, 0 for free items; a pin overrides choices and bounds (a pin
+            ``>= FULL_PRECISION`` means full precision, reported as ``full_bits``).
+        max_states: work budget of the exact search, about one unit per DP state. ``"auto"``
+            (default): ``60,000 - 6·items`` units, none from 9,000 items on (the greedy is then
+            returned with its gap), about 3.5 ms of search at most on a 2-core machine; an
+            integer: that many (0: no search); None: unlimited, which can take minutes and
+            gigabytes on large inputs.
 
     Returns:
         int64 array of widths (full precision as ``full_bits``).
@@ -340,17 +347,27 @@ def _canonical(choice: np.ndarray, c: np.ndarray, costs: _problem.Costs) -> np.n
     for j, allowed in enumerate(costs.ok.T[:, sub]):
         mask |= allowed.astype(np.int64) << j
     keys = np.stack([costs.size[sub], costs.w[sub, 0], costs.w[sub, -1], mask])
-    hashed = row_hash(keys.T)
-    order = np.lexsort((-c[sub], hashed))  # stable: ties keep the lower index first
-    sorted_keys = keys[:, order]
-    new = np.ones(sub.size, dtype=bool)
-    new[1:] = (sorted_keys[:, 1:] != sorted_keys[:, :-1]).any(axis=0)
-    if np.any(new[1:] & (hashed[order][1:] == hashed[order][:-1])):  # a hash collision
-        order = np.lexsort((-c[sub], *keys[::-1]))
-        sorted_keys = keys[:, order]
-        new[1:] = (sorted_keys[:, 1:] != sorted_keys[:, :-1]).any(axis=0)
+    group = _classes(keys)
+    # One sort of unique integers (class, rank of decreasing sensitivity, index) instead of a
+    # lexsort: numpy's stable sorts of floats are several times slower.
+    rank = np.unique(c[sub], return_inverse=True)[1].reshape(-1)
+    top, k = int(rank.max()) + 1, sub.size
+    order = np.sort((group * top + (top - 1 - rank)) * k + np.arange(k)) % k
     width = costs.ok.shape[1]
-    ranked = np.sort(np.cumsum(new) * width + (width - 1 - choice[sub[order]]))
+    ranked = np.sort(group[order] * width + (width - 1 - choice[sub[order]]))
     out = choice.copy()
     out[sub[order]] = width - 1 - ranked % width
     return out
+
+
+def _classes(keys: np.ndarray) -> np.ndarray:
+    """Dense class number of every column of ``keys`` (equal columns, equal class)."""
+    group = np.unique(row_hash(keys.T), return_inverse=True)[1].reshape(-1)
+    member = np.empty(int(group.max()) + 1, dtype=np.intp)
+    member[group] = np.arange(group.size)
+    if np.any(keys != keys[:, member[group]]):  # a hash collision: group by the keys exactly
+        order = np.lexsort(keys[::-1])
+        new = np.ones(group.size, dtype=bool)
+        new[1:] = (keys[:, order][:, 1:] != keys[:, order][:, :-1]).any(axis=0)
+        group[order] = np.cumsum(new) - 1
+    return group
