@@ -291,7 +291,8 @@ def test_allocation_result() -> None:
     rng = np.random.default_rng(0)
     c, n = rng.lognormal(size=300), rng.integers(1, 10**5, size=300)
     a = allocate(c, n, 3.0, overhead_bits=0.25)
-    assert np.array_equal(a.bits, allocate_bits(c, n, 3.0, overhead_bits=0.25))
+    bits = allocate_bits(c, n, 3.0, overhead_bits=0.25)
+    assert np.array_equal(a.bits, bits) and bits.flags.writeable  # the caller's to modify
     assert a.bits.dtype == np.int64 and not a.bits.flags.writeable
     with pytest.raises(dataclasses.FrozenInstanceError):
         a.optimal = True

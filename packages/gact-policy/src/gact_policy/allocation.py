@@ -138,10 +138,22 @@ def min_storage_bits(
     pinned: Optional[ArrayLike] = None,
 ) -> int:
     """Smallest budget in bits that :func:`allocate_bits` accepts: every item at its cheapest
-    allowed width. The arguments are those of :func:`allocate_bits`.
+    allowed width.
 
     A caller whose budget is smaller can warn and allocate with this budget instead (the
-    smallest allocation).
+    smallest allocation), e.g. ``budget_bytes=-(-min_storage_bits(...) // 8)``.
+
+    Args:
+        numel: element count per item (1-D, ``>= 0``).
+        choices, full_bits, overhead_bits, lower, upper, pinned: as for
+            :func:`allocate_bits`.
+
+    Returns:
+        The minimum cost in bits.
+
+    Raises:
+        TypeError: on non-numeric or boolean arguments.
+        ValueError: on invalid values, or an item with no allowed width.
 
     Example:
         >>> min_storage_bits([1000, 1000], overhead_bits=0.25)
@@ -315,7 +327,7 @@ def allocate_bits(
         ... ).tolist()
         [2, 3]
     """
-    return allocate(
+    result = allocate(
         sensitivity,
         numel,
         avg_bits,
@@ -328,7 +340,8 @@ def allocate_bits(
         upper=upper,
         pinned=pinned,
         max_states=max_states,
-    ).bits
+    )
+    return result.bits.copy()  # writeable, as it always was (Allocation.bits is read-only)
 
 
 def _canonical(choice: np.ndarray, c: np.ndarray, costs: _problem.Costs) -> np.ndarray:
