@@ -154,8 +154,7 @@ class Adapter:
         # 16 bytes per item cover the rounding up of the last group's metadata and of the
         # decision masks to whole bytes, which the per-element costs leave out
         budget = cfg.memory_budget - items.fixed_bytes - 16 * len(items.keys)
-        smallest = np.ones(len(items.keys), dtype=np.int64)
-        if 8 * budget < gact_policy.storage_bits(items.numel, smallest, **costs):
+        if 8 * budget < gact_policy.min_storage_bits(items.numel, **costs):
             if not self._warned_budget:
                 self._warned_budget = True
                 warnings.warn(
@@ -165,7 +164,7 @@ class Adapter:
                     GactWarning,
                     stacklevel=4,
                 )
-            return smallest
+            return np.ones(len(items.keys), dtype=np.int64)
         return gact_policy.allocate_bits(
             sensitivity, items.numel, None, budget_bytes=budget, **costs
         )
