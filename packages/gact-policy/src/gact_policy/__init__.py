@@ -14,6 +14,7 @@ from .allocation import (
     min_storage_bits,
     storage_bits,
 )
+from .schedule import AdaptationSchedule
 from .sensitivity import (
     SENSITIVITY_CAP,
     GradFn,
@@ -29,6 +30,7 @@ from .variance import FULL_PRECISION, predicted_variance, variance_factor
 __all__ = [
     "FULL_PRECISION",
     "SENSITIVITY_CAP",
+    "AdaptationSchedule",
     "Allocation",
     "GradFn",
     "InfeasibleBudgetError",

@@ -1,0 +1,88 @@
+"""When to re-estimate sensitivities: early and often while training changes fast, never more
+than a time budget allows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._checks import integer_scalar, real_scalar
+
+__all__ = ["AdaptationSchedule"]
+
+# NOTE [Adaptation schedule]
+# Sensitivities at initialisation are not those of training: on the char-GPT example the
+# attention probabilities are the least sensitive tensor at step 0 and the most sensitive at
+# step 100 (BENCHMARKS.md, "Why adaptive bits lost"). An allocation made once at step 0 and kept
+# for ``interval`` steps is therefore wrong for most of a short run. The schedule adapts at step
+# 0, at the doubling steps ``first_gap``, 2·``first_gap``, 4·``first_gap``, ... below
+# ``interval``, and at every multiple of ``interval`` (as the original GACT did). A scheduled
+# adaptation other than the first waits while it would make the time spent adapting exceed
+# ``budget`` times the time spent training (its cost is predicted by the previous adaptation's),
+# so short runs and expensive probes adapt less often instead of running slower; a waiting
+# adaptation runs as soon as it is affordable, and the next one is scheduled after it.
+
+
+@dataclass(frozen=True)
+class AdaptationSchedule:
+    """Which training steps re-estimate sensitivities.
+
+    Args:
+        interval: the largest gap, in steps, between adaptations (``>= 1``).
+        first_gap: the gap after the first adaptation (step 0); gaps double up to ``interval``.
+        budget: adapting may take at most this fraction of the training time (``>= 0``;
+            ``0`` adapts only at step 0).
+
+    Example:
+        >>> schedule = AdaptationSchedule(interval=100, first_gap=10)
+        >>> steps, last = [], None
+        >>> for step in range(350):
+        ...     if schedule.due(step, last=last):
+        ...         steps.append(step)
+        ...         last = step
+        >>> steps
+        [0, 10, 20, 40, 80, 100, 200, 300]
+        >>> schedule.affordable(adapted_seconds=4.0, trained_seconds=100.0, cost_seconds=1.0)
+        True
+        >>> schedule.affordable(adapted_seconds=4.5, trained_seconds=100.0, cost_seconds=1.0)
+        False
+    """
+
+    interval: int = 1000
+    first_gap: int = 10
+    budget: float = 0.05
+
+    def __post_init__(self) -> None:
+        interval = integer_scalar(self.interval, "interval")
+        first_gap = integer_scalar(self.first_gap, "first_gap")
+        budget = real_scalar(self.budget, "budget")
+        if interval < 1:
+            raise ValueError(f"interval must be >= 1, got {interval}")
+        if first_gap < 1:
+            raise ValueError(f"first_gap must be >= 1, got {first_gap}")
+        if not budget >= 0:
+            raise ValueError(f"budget must be a fraction >= 0, got {budget}")
+        object.__setattr__(self, "interval", interval)
+        object.__setattr__(self, "first_gap", min(first_gap, interval))
+        object.__setattr__(self, "budget", budget)
+
+    def next_after(self, step: int) -> int:
+        """The first scheduled step after ``step``."""
+        step = integer_scalar(step, "step")
+        nxt = (step // self.interval + 1) * self.interval
+        early = self.first_gap
+        while early < self.interval and early <= step:
+            early *= 2
+        return early if step < early < min(nxt, self.interval) else nxt
+
+    def due(self, step: int, *, last: int | None) -> bool:
+        """Whether an adaptation is due at ``step``, the last one having run at ``last``
+        (``None``: never, so step 0, or the first step seen, is due)."""
+        step = integer_scalar(step, "step")
+        return last is None or step >= self.next_after(last)
+
+    def affordable(
+        self, *, adapted_seconds: float, trained_seconds: float, cost_seconds: float
+    ) -> bool:
+        """Whether one more adaptation costing ``cost_seconds`` keeps the time spent adapting
+        within ``budget`` of the time spent training."""
+        return adapted_seconds + cost_seconds <= self.budget * trained_seconds
