@@ -1,0 +1,161 @@
+"""What every framework callback shares: a ``Controller`` driven by a framework's loop."""
+
+from __future__ import annotations
+
+import contextlib
+import numbers
+from collections.abc import Iterator
+from typing import Any, Callable, Union
+
+from torch import nn
+
+from ..config import LEVELS, GactConfig
+from ..controller import Controller
+from ..errors import GactError
+
+__all__ = ["CallbackBase", "ConfigLike", "IntegrationError", "TrainingSession", "resolve_config"]
+
+ConfigLike = Union[str, GactConfig]
+
+
+class IntegrationError(GactError):
+    """A training framework drives GACT's callback in a way the callback cannot follow."""
+
+
+def resolve_config(config: ConfigLike) -> GactConfig:
+    """The ``GactConfig`` a callback was given: a level name or a configuration.
+
+    Raises:
+        TypeError: if ``config`` is neither.
+        ConfigError: if the level name is unknown.
+    """
+    if isinstance(config, GactConfig):
+        return config
+    if isinstance(config, str):
+        return GactConfig.from_level(config)
+    raise TypeError(
+        f"config must be a level name ({', '.join(LEVELS)}) or a gact.GactConfig, got "
+        f"{type(config).__name__}; e.g. GactCallback('L2') or "
+        "GactCallback(GactConfig.from_level('L2', adapt_interval=500))"
+    )
+
+
+# NOTE [Hooks only while training runs]
+# A framework's loop raises wherever it likes (a collator, an evaluation metric, a checkpoint
+# write, Ctrl+C) and runs no callback on the way out, so a callback that installed saved-tensor
+# hooks at the start of training and removed them at its end would leave them installed after
+# any failure (and a second ``train()`` would then find the model already controlled). The
+# session therefore installs the controller's hooks only around the framework's own forward and
+# backward of a batch (``active()``, a ``with`` block that always uninstalls) and around the end
+# of each optimizer step (``end_step``, where probes run). Tensors saved inside stay compressed
+# after the hooks come off: autograd keeps each saved tensor's unpack hook with it. Between
+# batches, evaluation and checkpointing run with no GACT hook at all.
+#
+# NOTE [Explicit steps]
+# The framework ends every step itself (``end_step`` after each optimizer step). Until a
+# controller's first ``iterate()`` or ``step()``, a root forward that follows a backward ends the
+# open step automatically (NOTE [Steps] in controller.py). With gradient accumulation that would
+# split the first optimizer step in two and, at adaptive levels, move the first adaptation from
+# step 0 to step ``adapt_interval``. The Controller has no public switch for "this caller ends
+# every step" yet, so the session sets the controller's flag for it when it creates the
+# controller (the only private attribute the integrations touch).
+
+
+class TrainingSession:
+    """A ``Controller`` whose hooks are installed only while a framework trains a batch.
+
+    Args:
+        model: the model the framework trains (its parameters are never compressed).
+        config: the GACT configuration.
+
+    Example::
+
+        >>> import torch, torch.nn.functional as F
+        >>> from gact import GactConfig
+        >>> model = torch.nn.Linear(64, 4)
+        >>> x, y = torch.randn(32, 64), torch.randint(0, 4, (32,))
+        >>> session = TrainingSession(model, GactConfig.from_level("L1", min_numel=0))
+        >>> with session.active():
+        ...     F.cross_entropy(model(x), y).backward()
+        >>> session.end_step(lambda: F.cross_entropy(model(x), y).backward())
+        >>> session.controller.stats()["step"]
+        1
+    """
+
+    def __init__(self, model: nn.Module, config: GactConfig) -> None:
+        self.controller = Controller(model, config)
+        self.controller._explicit_steps = True  # see NOTE [Explicit steps]
+
+    @property
+    def model(self) -> nn.Module:
+        return self.controller.model
+
+    def begin(self) -> None:
+        """Install the hooks unless they are installed (see NOTE [Hooks only while training
+        runs]); ``end()`` must follow on every path."""
+        if not self.controller.installed:
+            self.controller.install_hook()
+
+    def end(self) -> None:
+        """Uninstall the hooks if they are installed; safe to call at any time."""
+        if self.controller.installed:
+            self.controller.uninstall_hook()
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """The hooks are installed in the body (if they were not already) and removed after."""
+        if self.controller.installed:
+            yield
+            return
+        self.begin()
+        try:
+            yield
+        finally:
+            self.end()
+
+    def end_step(self, probe: Callable[[], Any]) -> None:
+        """Close the step the framework's forwards and backwards opened (call it after the
+        optimizer step); when an adaptive level is due to adapt, ``probe`` runs the sensitivity
+        probes: forward, the framework's loss and backward on the step's last batch."""
+        with self.active():
+            self.controller.iterate(probe)
+
+    def figures(self) -> dict[str, float]:
+        """The numeric figures of ``controller.stats()``, named ``gact/<name>`` for loggers."""
+        return {
+            f"gact/{name}": float(value)
+            for name, value in self.controller.stats().items()
+            if isinstance(value, numbers.Real) and not isinstance(value, bool)
+        }
+
+
+class CallbackBase:
+    """What every framework's ``GactCallback`` holds: its configuration, and its session once
+    training has started.
+
+    Args:
+        config: a level name (``"L2"``) or a ``gact.GactConfig``.
+    """
+
+    _STARTED_BY = "training"  # the call that starts training, for messages
+
+    def __init__(self, config: ConfigLike = "L2") -> None:
+        self.config = resolve_config(config)
+        self._session: TrainingSession | None = None
+
+    @property
+    def controller(self) -> Controller:
+        """The ``Controller`` (``stats()``, ``report()``), from the start of training on.
+
+        Raises:
+            IntegrationError: before training started.
+        """
+        return self._started().controller
+
+    def _started(self) -> TrainingSession:
+        if self._session is None:
+            raise IntegrationError(
+                f"GactCallback.controller exists once {self._STARTED_BY} has started training; "
+                "read it during or after training"
+            )
+        return self._session
