@@ -6,6 +6,7 @@ from gact_policy import (
     SENSITIVITY_CAP,
     LinearNoiseModel,
     ProbeConfig,
+    SensitivityEstimate,
     min_pair_probes,
     pairwise_sensitivity,
     probe_sensitivity,
@@ -90,3 +91,21 @@ def test_non_finite_gradients_are_capped() -> None:
 def test_rejects_full_precision_probe_widths() -> None:
     with pytest.raises(ValueError, match="quantised"):
         probe_sensitivity(lambda cfg: np.zeros(2), [2, 32])
+
+
+def test_pairwise_standard_errors_cover_the_error() -> None:
+    """On random synthetic models, the true sensitivity lies within 3 reported standard errors
+    of the estimate for at least 90% of items (the plug-in is conservative; a standard error of
+    zero or one far too small would fail this), and the errors are not vacuously huge."""
+    inside, total, relative = 0, 0, []
+    for seed in range(6):
+        model = LinearNoiseModel.random(n_items=30, dim=2000, seed=seed)
+        est = pairwise_sensitivity(model, np.full(30, 3), seed=seed, stderr=True)
+        assert isinstance(est, SensitivityEstimate)
+        assert np.array_equal(est.value, pairwise_sensitivity(model, np.full(30, 3), seed=seed))
+        error = np.abs(est.value - model.sensitivity)
+        inside += int(np.sum(error <= 3 * est.stderr))
+        total += error.size
+        relative.append(np.median(est.stderr / model.sensitivity.mean()))
+    assert inside >= 0.9 * total
+    assert float(np.median(relative)) < 1.0

@@ -185,3 +185,44 @@ def test_memory_budget_needs_an_adaptive_level() -> None:
         GactConfig.from_level("L2", memory_budget=1.5)
     assert gact.set_optimization_level("L2", memory_budget=2**20).memory_budget == 2**20
     gact.set_optimization_level("L2", memory_budget=None)
+
+
+# ------------------------------------------------------------- schedule
+
+
+def _adapted_steps(cfg: GactConfig, steps: int) -> list[int]:
+    model, x, y = make_case("mlp")
+    closure = make_closure(model, x, y)
+    seen = []
+    with Controller(model, cfg) as controller:
+        for step in range(steps):
+            before = controller.adapter.count
+            controller.iterate(closure)
+            if controller.adapter.count > before:
+                seen.append(step)
+    return seen
+
+
+def test_adaptations_follow_the_schedule_when_affordable() -> None:
+    cfg = GactConfig.from_level(
+        "L2", min_numel=0, adapt_interval=40, adapt_first_gap=5, adapt_budget=1e6
+    )
+    assert _adapted_steps(cfg, 90) == [0, 5, 10, 20, 40, 80]
+
+
+def test_the_time_budget_delays_adaptations() -> None:
+    assert _adapted_steps(GactConfig.from_level("L2", min_numel=0, adapt_budget=0.0), 30) == [0]
+    # probes cost about a step each: a 5% budget cannot afford a second adaptation in 30 steps
+    cfg = GactConfig.from_level("L2", min_numel=0, adapt_first_gap=1, adapt_budget=0.05)
+    assert _adapted_steps(cfg, 30) == [0]
+
+
+def test_report_shows_estimates_with_their_uncertainty() -> None:
+    model, x, y = make_case("cnn")
+    with Controller(model, GactConfig.from_level("L2", min_numel=0)) as controller:
+        controller.iterate(make_closure(model, x, y))
+    report = controller.report()
+    quantized = [line for line in report.splitlines() if " quantized " in line]
+    assert quantized and all("±" in line for line in quantized)
+    assert "+1m" in report  # the ReLU outputs carry their exact decision masks
+    assert "sensitivity: the gradient variance" in report.splitlines()[-1]

@@ -23,6 +23,7 @@ __all__ = [
     "SENSITIVITY_CAP",
     "GradFn",
     "ProbeConfig",
+    "SensitivityEstimate",
     "min_pair_probes",
     "pairwise_sensitivity",
     "probe_sensitivity",
@@ -49,7 +50,23 @@ SENSITIVITY_CAP: float = 1e10
 # draws are independent of each other and of the base draw), so ``c_l = <e_j, e_k> / S(b_l)`` is
 # unbiased, needs only ``1 + K`` evaluations with ``K(K-1)/2 >= L`` (``K ≈ sqrt(2L)``), and its
 # error falls roughly like ``1/K`` because each probe then re-seeds about ``2L/K`` items whose
-# cross terms are the noise.
+# cross terms are the noise. Its standard error is estimated from the same probes: the inner
+# product is a sum over coordinates of ``e_j[i] e_k[i]``, and treating those terms as independent
+# and zero-mean gives ``Var <e_j, e_k> ≈ Σ_i e_j[i]^2 e_k[i]^2`` (a plug-in, conservative because
+# it also counts the signal's own spread; coordinates of a CountSketch are close to independent).
+
+
+@dataclass(frozen=True)
+class SensitivityEstimate:
+    """Sensitivity estimates and their standard errors (float64 arrays of the same length).
+
+    Args:
+        value: the estimates ``c_l`` (``>= 0``, capped).
+        stderr: one standard error of each estimate, in the same unit.
+    """
+
+    value: np.ndarray
+    stderr: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -260,7 +277,8 @@ def pairwise_sensitivity(
     num_probes: int | None = None,
     seed: int = 0,
     cap: float = SENSITIVITY_CAP,
-) -> np.ndarray:
+    stderr: bool = False,
+) -> np.ndarray | SensitivityEstimate:
     """Cheap estimator from pairwise inner products of probe differences (``1 + K`` evaluations).
 
     Args:
@@ -271,9 +289,10 @@ def pairwise_sensitivity(
         seed: root seed (base seeds, fresh seeds and the item-to-pair assignment; ``>= 0``).
         cap: replacement for non-finite estimates and upper bound (finite, ``> 0``); negative
             estimates become 0.
+        stderr: also return each estimate's standard error (NOTE [Sensitivity estimators]).
 
     Returns:
-        float64 array of ``c_l``.
+        float64 array of ``c_l``; with ``stderr=True`` a :class:`SensitivityEstimate`.
 
     Raises:
         TypeError: on non-numeric arguments.
@@ -308,4 +327,9 @@ def pairwise_sensitivity(
         # the O(L·D) of gathering one row pair per item (GBs for a transformer's gradient).
         gram = e @ e.T
         inner = gram[pairs[:, 0], pairs[:, 1]]
-        return _cap(inner / variance_factor(b), cap)
+        value = _cap(inner / variance_factor(b), cap)
+        if not stderr:
+            return value
+        squares = e * e
+        spread = (squares @ squares.T)[pairs[:, 0], pairs[:, 1]]
+        return SensitivityEstimate(value, _cap(np.sqrt(spread) / variance_factor(b), cap))

@@ -79,7 +79,9 @@ class Adapter:
         self._plan = plan
         self._hooks = hooks
         self.count = 0
-        self.seconds = 0.0
+        self.seconds = 0.0  # spent adapting, all adaptations together
+        self.last_seconds = 0.0  # the last adaptation's cost: predicts the next one's
+        self.last_step: int | None = None
         self._warned_budget = False
 
     def adapt(
@@ -101,14 +103,20 @@ class Adapter:
             return
         start = time.perf_counter()
         estimate = self._probe(items, closure, run_closure)
+        # An estimate below its own standard error is noise: take one standard error instead,
+        # so that no tensor gets the fewest bits on the strength of a noisy near-zero estimate.
+        value = np.maximum(estimate.value, estimate.stderr)
         # keys seen for the first time start from their own estimate
-        previous = [plan.sensitivity.get(k, float(e)) for k, e in zip(items.keys, estimate)]
-        sensitivity = gact_policy.smooth(previous, estimate, cfg.sensitivity_momentum)
+        previous = [plan.sensitivity.get(k, float(e)) for k, e in zip(items.keys, value)]
+        sensitivity = gact_policy.smooth(previous, value, cfg.sensitivity_momentum)
         bits = self._allocate(items, sensitivity)
         plan.bits = {k: int(b) for k, b in zip(items.keys, bits)}
         plan.sensitivity = {k: float(c) for k, c in zip(items.keys, sensitivity)}
+        plan.stderr = {k: float(e) for k, e in zip(items.keys, estimate.stderr)}
         self.count += 1
-        self.seconds += time.perf_counter() - start
+        self.last_step = plan.step
+        self.last_seconds = time.perf_counter() - start
+        self.seconds += self.last_seconds
         widths, counts = np.unique(np.where(bits > 8, 0, bits), return_counts=True)
         per_width = (
             f"{f'{w} bits' if w else 'full precision'}: {n}" for w, n in zip(widths, counts)
@@ -127,7 +135,7 @@ class Adapter:
         items: Items,
         closure: Callable[[], Any],
         run_closure: Callable[[Callable[[], Any]], Any],
-    ) -> np.ndarray:
+    ) -> gact_policy.SensitivityEstimate:
         """Run the probes (see NOTE [Probes leave no trace]) and estimate sensitivities."""
         plan, cfg = self._plan, self._plan.config
         probe_bits = np.array(
@@ -169,38 +177,18 @@ class Adapter:
             sensitivity, items.numel, None, budget_bytes=budget, **costs
         )
 
-    def _estimate(self, grad: Callable[[Any], np.ndarray], bits: np.ndarray) -> np.ndarray:
+    def _estimate(
+        self, grad: Callable[[Any], np.ndarray], bits: np.ndarray
+    ) -> gact_policy.SensitivityEstimate:
         cfg = self._plan.config
         seed = mix_seed(cfg.seed, self._plan.step, 0x5E5) >> 1
         if cfg.sensitivity_method == "probe":
-            return gact_policy.probe_sensitivity(grad, bits, seed=seed)
+            value = gact_policy.probe_sensitivity(grad, bits, seed=seed)
+            return gact_policy.SensitivityEstimate(value, np.zeros_like(value))
         probes = max(cfg.num_probes or 0, gact_policy.min_pair_probes(bits.size))
-        estimate = gact_policy.pairwise_sensitivity(grad, bits, num_probes=probes, seed=seed)
-        # A pairwise estimate is an inner product of two noisy differences: for a tensor of
-        # small but real sensitivity it can come out negative and be clipped to 0, which would
-        # give that tensor 1 bit. Those items are measured again, one probe each.
-        doubtful = np.flatnonzero(estimate <= 0)
-        if doubtful.size:
-            estimate[doubtful] = gact_policy.probe_sensitivity(
-                _restricted(grad, bits, doubtful, seed), bits[doubtful], seed=seed + 1
-            )
-        return estimate
-
-
-def _restricted(
-    grad: Callable[[Any], np.ndarray], bits: np.ndarray, items: np.ndarray, seed: int
-) -> Callable[[gact_policy.ProbeConfig], np.ndarray]:
-    """``grad`` seen through a probe configuration of ``items`` only; the other items keep
-    their bits and one fixed seed each."""
-    fixed = np.array([mix_seed(seed, i) for i in range(bits.size)], dtype=np.uint64)
-
-    def sub_grad(probe: gact_policy.ProbeConfig) -> np.ndarray:
-        full_bits, full_seeds = bits.copy(), fixed.copy()
-        full_bits[items] = probe.bits
-        full_seeds[items] = probe.seeds
-        return grad(gact_policy.ProbeConfig(full_bits, full_seeds))
-
-    return sub_grad
+        return gact_policy.pairwise_sensitivity(
+            grad, bits, num_probes=probes, seed=seed, stderr=True
+        )
 
 
 def _agreed(value: Any) -> Any:

@@ -12,6 +12,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
+import gact_policy
 from gact_kernels import MAX_GROUP_SIZE
 
 from .errors import ConfigError
@@ -66,7 +67,12 @@ class GactConfig:
         level: one of ``LEVELS`` (``"L0"`` ... ``"L3"``).
         group_size: elements per quantization group (one fp32 ``lo`` and one fp32 ``scale`` each).
         min_numel: floating-point tensors with fewer elements are kept as they are.
-        adapt_interval: re-estimate sensitivities every this many steps (adaptive levels).
+        adapt_interval: adaptive levels re-estimate sensitivities at step 0, at the doubling
+            steps ``adapt_first_gap``, 2x, 4x, ... below ``adapt_interval``, and every
+            ``adapt_interval`` steps (``gact_policy.AdaptationSchedule``).
+        adapt_first_gap: steps between the first and the second adaptation.
+        adapt_budget: adaptations after the first wait while they would make the time spent
+            adapting exceed this fraction of the training time (``0`` adapts once, at step 0).
         sensitivity_method: ``"pairwise"`` (``gact_policy.pairwise_sensitivity``: about
             ``sqrt(2L)`` probes for ``L`` tensors, each re-seeding a set of tensors) or ``"probe"``
             (``gact_policy.probe_sensitivity``, the paper's Algorithm 1: ``L + 1`` probes).
@@ -90,6 +96,8 @@ class GactConfig:
     group_size: int = 256
     min_numel: int = 1024
     adapt_interval: int = 1000
+    adapt_first_gap: int = 10
+    adapt_budget: float = 0.05
     sensitivity_method: str = "pairwise"
     num_probes: int | None = None
     sensitivity_momentum: float = 0.5
@@ -118,6 +126,9 @@ class GactConfig:
             )
         _check_int("min_numel", self.min_numel, 0)
         _check_int("adapt_interval", self.adapt_interval, 1)
+        _check_int("adapt_first_gap", self.adapt_first_gap, 1)
+        if not _is_real(self.adapt_budget) or not 0.0 <= self.adapt_budget < float("inf"):
+            raise ConfigError(f"adapt_budget must be a fraction >= 0, got {self.adapt_budget!r}")
         if self.sensitivity_method not in _SENSITIVITY_METHODS:
             raise ConfigError(
                 f"sensitivity_method must be one of {_SENSITIVITY_METHODS}, "
@@ -160,6 +171,13 @@ class GactConfig:
     @property
     def avg_bits(self) -> float | None:
         return self.spec.avg_bits
+
+    @property
+    def schedule(self) -> gact_policy.AdaptationSchedule:
+        """When adaptive levels re-estimate sensitivities."""
+        return gact_policy.AdaptationSchedule(
+            self.adapt_interval, self.adapt_first_gap, self.adapt_budget
+        )
 
     @property
     def overhead_bits(self) -> float:

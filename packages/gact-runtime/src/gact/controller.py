@@ -41,9 +41,11 @@ _INSTALLED: weakref.WeakSet[Controller] = weakref.WeakSet()
 #   it would count one batch as two steps.
 # - Neither: until the first ``step()`` or ``iterate()``, a root forward that starts after a
 #   backward ends the open step automatically, so ``stats()`` never sums up a whole run.
-# Adaptive levels re-estimate sensitivities on the steps where ``step % adapt_interval == 0``
-# (the first included). That needs a closure to run probes, so only ``iterate`` adapts; a plain
-# loop at an adaptive level keeps the level's default width and is warned once.
+# Adaptive levels re-estimate sensitivities on the steps their schedule makes due (NOTE
+# [Adaptation schedule] in gact_policy: step 0, doubling early steps, every ``adapt_interval``,
+# within ``adapt_budget`` of the training time). That needs a closure to run probes, so only
+# ``iterate`` adapts; a plain loop at an adaptive level keeps the level's default width and is
+# warned once.
 
 
 def _top_saved_tensors_hooks() -> tuple[Callable, Callable] | None:
@@ -303,7 +305,14 @@ class Controller:
     @property
     def adaptation_due(self) -> bool:
         """Whether the open step is one on which an adaptive level re-estimates sensitivities."""
-        return self.config.spec.adaptive and self.plan.step % self.config.adapt_interval == 0
+        cfg, adapter = self.config, self.adapter
+        if not cfg.spec.adaptive or not cfg.schedule.due(self.plan.step, last=adapter.last_step):
+            return False
+        return adapter.count == 0 or cfg.schedule.affordable(
+            adapted_seconds=adapter.seconds,
+            trained_seconds=self._step_seconds - adapter.seconds,
+            cost_seconds=adapter.last_seconds,
+        )
 
     def run_closure(self, closure: Callable[[], T]) -> T:
         """Run ``closure`` and check that it ran a backward pass through the hooks."""
@@ -346,10 +355,10 @@ class Controller:
         if self.adaptation_due and self.ledger.current:
             self._warn_once(
                 "no adaptation",
-                f"level {self.config.level} adapts bit widths only in iterate(closure), on "
-                f"every {self.config.adapt_interval}th step (the first included); this loop "
-                f"calls step() instead, so every tensor keeps {self.plan.default_bits} bits. "
-                "Call controller.iterate(closure) on those steps (see Controller.iterate)",
+                f"level {self.config.level} adapts bit widths only in iterate(closure), on the "
+                f"steps its schedule makes due (step 0 first); this loop calls step() instead, "
+                f"so every tensor keeps {self.plan.default_bits} bits. Call "
+                "controller.iterate(closure) on those steps (see Controller.adaptation_due)",
             )
         self._end_step("step")
 
@@ -397,5 +406,7 @@ class Controller:
         return out
 
     def report(self) -> str:
-        """A per-tensor table of the last completed step (key, shape, dtype, bits, ...)."""
-        return self.ledger.table(self.plan.sensitivity)
+        """A per-tensor table of the last completed step: key, shape, dtype, kind, bits (with
+        decision masks), sensitivity ± its standard error, saves, bytes and stored bytes, then
+        the totals and a legend of the columns."""
+        return self.ledger.table(self.plan.sensitivity, self.plan.stderr)

@@ -150,30 +150,21 @@ class Ledger:
             "sites": len(activations),
         }
 
-    def table(self, sensitivity: dict[str, float]) -> str:
+    def table(self, sensitivity: dict[str, float], stderr: dict[str, float]) -> str:
+        """The per-tensor report (see ``Controller.report``)."""
         records, _ = self.view()
-        header = (
-            "key",
-            "shape",
-            "dtype",
-            "kind",
-            "bits",
-            "sensitivity",
-            "count",
-            "bytes",
-            "stored",
-        )
+        header = ("key", "shape", "dtype", "kind", "bits", "sensitivity", "count", "bytes",
+                  "stored")  # fmt: skip
         rows = [header]
         for rec in records.values():
-            sens = sensitivity.get(rec.key)
             rows.append(
                 (
                     rec.key,
-                    "x".join(map(str, rec.shape)) or "scalar",
+                    "-" if rec.kind is Kind.PARAMETER else "x".join(map(str, rec.shape)) or "1",
                     str(rec.dtype).removeprefix("torch."),
                     rec.kind.value,
-                    "-" if rec.bits is None else str(rec.bits),
-                    "-" if sens is None else f"{sens:.3g}",
+                    _bits_cell(rec),
+                    _sensitivity_cell(sensitivity.get(rec.key), stderr.get(rec.key)),
                     str(rec.count),
                     str(rec.original_bytes),
                     str(rec.stored_bytes),
@@ -186,6 +177,24 @@ class Ledger:
         lines.append(
             f"total: {st['original_bytes']} B -> {st['stored_bytes']} B "
             f"(ratio {st['ratio']:.2f}x, {st['compressed_tensors']} compressed, "
-            f"{st['skipped_tensors']} kept)"
+            f"{st['skipped_tensors']} kept, {st['outside_tensors']} outside the model)"
+        )
+        lines.append(
+            "bits: code bits per element (+m: exact decision masks, 1 bit each); sensitivity: "
+            "the gradient variance a tensor adds per unit of S(b) = 1/(2^b-1)^2, smoothed over "
+            "adaptations, ± one standard error of the last estimate; bytes: as autograd would "
+            "hold it; stored: what GACT holds (metadata and masks included)"
         )
         return "\n".join(lines)
+
+
+def _bits_cell(rec: SiteRecord) -> str:
+    if rec.bits is None:
+        return "-"
+    return f"{rec.bits}+{rec.mask_bits}m" if rec.mask_bits else str(rec.bits)
+
+
+def _sensitivity_cell(value: float | None, stderr: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3g}" if not stderr else f"{value:.3g} ± {stderr:.2g}"

@@ -64,6 +64,7 @@ class BitPlan:
         self.step = 0
         self.bits: dict[str, int] = {}
         self.sensitivity: dict[str, float] = {}
+        self.stderr: dict[str, float] = {}  # of the last estimate of each key
         self.probe: ProbeOverride | None = None
         # keys whose tensor fed a decision this runtime could not keep exact (see
         # NOTE [Exact decisions]): kept at full precision from then on
