@@ -354,3 +354,15 @@ def test_torch_func_runs_while_the_controller_is_paused() -> None:
         loss.backward()
         controller.step()
     assert grad.shape == x.shape and controller.stats()["compressed_tensors"] > 0
+
+
+def test_explicit_steps_never_end_a_step_automatically() -> None:
+    model, x, y = make_case("mlp")
+    with Controller(model, GactConfig.from_level("L1"), explicit_steps=True) as controller:
+        for _ in range(3):  # three micro-batches of one accumulated step
+            make_closure(model, x, y)()
+        assert controller.stats()["step"] == 0
+        controller.step()
+    assert controller.stats()["step"] == 1
+    with pytest.raises(TypeError, match="explicit_steps"):
+        Controller(model, explicit_steps="yes")  # type: ignore[arg-type]

@@ -61,6 +61,9 @@ class Controller:
         model: the model to train. Its parameters and buffers are never compressed.
         config: a ``GactConfig``; ``None`` takes the default set by
             ``gact.set_optimization_level``.
+        explicit_steps: the caller ends every step with ``step()`` or ``iterate()`` (a
+            training framework's callback): no automatic steps, even before the first call
+            (NOTE [Steps]). Gradient accumulation then never splits the first step.
 
     Example::
 
@@ -84,7 +87,9 @@ class Controller:
         True
     """
 
-    def __init__(self, model: nn.Module, config: GactConfig | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, config: GactConfig | None = None, *, explicit_steps: bool = False
+    ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if config is not None and not isinstance(config, GactConfig):
@@ -111,7 +116,9 @@ class Controller:
         self._context: torch.autograd.graph.saved_tensors_hooks | None = None
         self._thread: int | None = None
         self._ever_installed = False
-        self._explicit_steps = False  # step() or iterate() was called: no automatic steps
+        if not isinstance(explicit_steps, bool):
+            raise TypeError(f"explicit_steps must be a bool, got {explicit_steps!r}")
+        self._explicit_steps = explicit_steps  # no automatic steps (NOTE [Steps])
         self._last_boundary = "none"
         self._unpacked_at_forward = 0
         self._unpacked_at_boundary = 0

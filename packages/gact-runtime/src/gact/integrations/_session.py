@@ -52,13 +52,10 @@ def resolve_config(config: ConfigLike) -> GactConfig:
 # batches, evaluation and checkpointing run with no GACT hook at all.
 #
 # NOTE [Explicit steps]
-# The framework ends every step itself (``end_step`` after each optimizer step). Until a
-# controller's first ``iterate()`` or ``step()``, a root forward that follows a backward ends the
-# open step automatically (NOTE [Steps] in controller.py). With gradient accumulation that would
-# split the first optimizer step in two and, at adaptive levels, move the first adaptation from
-# step 0 to step ``adapt_interval``. The Controller has no public switch for "this caller ends
-# every step" yet, so the session sets the controller's flag for it when it creates the
-# controller (the only private attribute the integrations touch).
+# The framework ends every step itself (``end_step`` after each optimizer step), so the
+# controller is created with ``explicit_steps=True``: without it, until the first ``step()``, a
+# root forward following a backward would end the open step automatically (NOTE [Steps] in
+# controller.py), which with gradient accumulation would split the first optimizer step in two.
 
 
 class TrainingSession:
@@ -83,8 +80,7 @@ class TrainingSession:
     """
 
     def __init__(self, model: nn.Module, config: GactConfig) -> None:
-        self.controller = Controller(model, config)
-        self.controller._explicit_steps = True  # see NOTE [Explicit steps]
+        self.controller = Controller(model, config, explicit_steps=True)
 
     @property
     def model(self) -> nn.Module:
