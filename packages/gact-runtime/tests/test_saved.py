@@ -297,7 +297,7 @@ def test_sparse_buffers_are_state_not_activations() -> None:
     assert tuple(model.adj.shape) not in shapes
 
 
-def test_expanded_views_are_counted_by_storage_and_kept() -> None:
+def test_expanded_views_are_counted_by_storage_and_stored_by_their_base() -> None:
     class Broadcast(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -310,11 +310,47 @@ def test_expanded_views_are_counted_by_storage_and_kept() -> None:
 
     model = Broadcast()
     x = torch.randn(512, 64)
-    with Controller(model, GactConfig.from_level("L1", min_numel=0)) as controller:
-        model(x).backward()
-        controller.step()
-    expanded = [r for r in controller.ledger.last.values() if r.shape == (512, 64)]
-    assert any(r.kind is Kind.KEPT and r.original_bytes == 64 * 4 for r in expanded)
+    for min_numel, kind in ((0, Kind.QUANTIZED), (1024, Kind.KEPT)):
+        with Controller(model, GactConfig.from_level("L1", min_numel=min_numel)) as controller:
+            model(x).backward()
+            controller.step()
+        expanded = [r for r in controller.ledger.last.values() if r.shape == (512, 64)]
+        gate = [r for r in expanded if r.original_bytes == 64 * 4]  # its storage: one row
+        assert len(gate) == 1 and gate[0].kind is kind
+        assert gate[0].stored_bytes <= 64 * 4
+
+
+def test_expanded_integer_indices_are_packed_from_their_base() -> None:
+    """PyG's scatter saves ``index.view(-1, 1).expand_as(src)``: the E indices are packed once,
+    not E x F times, and the gradient through the scatter is exact."""
+
+    class Scatter(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 32)
+
+        def forward(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+            src = self.lin(x)
+            out = src.new_zeros(100, 32)
+            return out.scatter_add(0, index.view(-1, 1).expand_as(src), src)
+
+    torch.manual_seed(0)
+    model = Scatter()
+    x, index = torch.randn(4096, 16), torch.randint(0, 100, (4096,))
+    weights = torch.randn(100, 32)
+
+    def closure() -> None:
+        model.zero_grad()
+        (model(x, index) * weights).sum().backward()
+
+    closure()
+    exact = model.lin.bias.grad.clone()
+    with Controller(model, GactConfig.from_level("L1")) as controller:
+        controller.iterate(closure)
+    packed = [r for r in controller.ledger.last.values() if r.kind is Kind.PACKED]
+    assert packed and all(r.original_bytes == 4096 * 8 for r in packed)  # the base, E indices
+    assert all(r.stored_bytes * 6 < r.original_bytes for r in packed)
+    assert torch.equal(model.lin.bias.grad, exact)
 
 
 def test_integer_saves_are_packed_losslessly() -> None:

@@ -123,13 +123,14 @@ class SavedCompressed(Saved):
     the exact decisions of the backward functions that branch on it (see NOTE [Exact decisions]
     in decisions.py)."""
 
-    __slots__ = ("decision", "hooks", "payload", "ticket", "witness")
+    __slots__ = ("decision", "expand_to", "hooks", "payload", "ticket", "witness")
 
     def __init__(
         self, tensor: torch.Tensor, key: str, payload: gact_kernels.Compressed, hooks: SaveHooks
     ) -> None:
         super().__init__(tensor, key)
         self.witness = _version_witness(tensor)
+        self.expand_to: torch.Size | None = None  # the payload is an expanded view's base
         self.hooks = hooks
         self.decision: Decision | None = None
         swapper = hooks.swapper
@@ -157,6 +158,8 @@ class SavedCompressed(Saved):
         self._check(self.witness)
         payload = self.payload if self.ticket is None else self.hooks.swapper.fetch(self.ticket)
         values = gact_kernels.decompress(payload)
+        if self.expand_to is not None:
+            return values.expand(self.expand_to)  # never a decision input (see _treatment)
         node = torch._C._current_autograd_node()
         if node is None or not isinstance(payload, gact_kernels.QuantizedTensor):
             return values
@@ -320,8 +323,12 @@ class SaveHooks:
         cfg = self.plan.config
         if not cfg.spec.compresses or tensor.layout is not torch.strided:
             return Kind.KEPT
-        if occupied_bytes(tensor) < tensor.numel() * tensor.element_size():
-            return Kind.KEPT  # an expanded view: its storage is smaller than a compressed copy
+        compact = _compact(tensor)
+        if compact is not None:  # an expanded view: its compact base is what is stored
+            dense = occupied_bytes(compact) == compact.numel() * compact.element_size()
+            if spec is not None or not dense:
+                return Kind.KEPT
+            tensor = compact
         if tensor.numel() < cfg.min_numel and not self.plan.probes(key):
             return Kind.KEPT
         if tensor.dtype is torch.bool or tensor.dtype in gact_kernels.INT_DTYPES:
@@ -336,8 +343,9 @@ class SaveHooks:
 
     def _compress(self, key: str, tensor: torch.Tensor, spec: DecisionSpec | None) -> Saved:
         group_size = self.plan.config.group_size
+        compact = _compact(tensor)
         with torch.no_grad():
-            data = tensor.detach()
+            data = (tensor if compact is None else compact).detach()
             if tensor.dtype is torch.bool:
                 payload: gact_kernels.Compressed = gact_kernels.pack_mask(data)
                 kind, bits = Kind.MASK, 1
@@ -351,6 +359,8 @@ class SaveHooks:
                 payload = gact_kernels.quantize(data, bits, group_size=group_size, seed=seed)
                 kind = Kind.QUANTIZED
         saved = SavedCompressed(tensor, key, payload, self)
+        if compact is not None:
+            saved.expand_to = tensor.shape
         self.live.add(tensor, saved, self.tracker.generation)
         self.ledger.record(key, tensor, kind, bits, payload.nbytes)
         if spec is not None and kind is Kind.QUANTIZED:
@@ -377,3 +387,15 @@ class SaveHooks:
                 GactWarning,
                 stacklevel=2,
             )
+
+
+def _compact(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The base of an expanded view (its stride-0 dimensions of size > 1 collapsed to size 1),
+    or ``None`` if ``tensor`` repeats no elements that way."""
+    sizes, strides = tensor.shape, tensor.stride()
+    if tensor.layout is not torch.strided or not any(
+        st == 0 and sz > 1 for sz, st in zip(sizes, strides)
+    ):
+        return None
+    shape = [1 if st == 0 else sz for sz, st in zip(sizes, strides)]
+    return tensor.as_strided(shape, strides, tensor.storage_offset())

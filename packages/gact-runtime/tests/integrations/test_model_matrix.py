@@ -22,16 +22,6 @@ L2_RATIO = 7.0
 L11_COSINE = 0.99
 STEPS = 3
 
-# GCN and GAT stay below 7x at L2 (about 6.7x and 6.4x here): PyG's scatter saves an expanded
-# view of edge_index (``index.view(-1, 1).expand_as(src)``, stride 0 over the features), which
-# the runtime keeps as it is, since compressing the view would materialise every element; it
-# could compress the view's compact base instead. Strict, so the mark goes once the runtime does.
-_KEEPS_EXPANDED_INDEX = pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="runtime keeps expanded integer views (PyG's broadcast edge_index) uncompressed",
-)
-
 
 def _family(name: str) -> Family:
     family = FAMILIES[name]
@@ -112,13 +102,7 @@ def test_l11_gradient_close_to_fp32(name: str) -> None:
     assert float(cosine) >= L11_COSINE
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(name, marks=_KEEPS_EXPANDED_INDEX) if name in ("gcn", "gat") else name
-        for name in FAMILIES
-    ],
-)
+@pytest.mark.parametrize("name", list(FAMILIES))
 def test_l2_saved_activation_ratio(name: str, ratios: dict[str, float]) -> None:
     torch.manual_seed(0)
     model, loss_fn = _family(name).build()
