@@ -30,7 +30,7 @@ def test_probes_leave_no_trace() -> None:
         model.zero_grad()
         loss.backward()
 
-    cfg = GactConfig.from_level("L2", min_numel=0, adapt_interval=1000)
+    cfg = GactConfig.from_level("L2", min_numel=0, adapt_interval=1000, adapt_first_gap=0)
     # Reference: the real step alone (same seeds: a fresh controller at step 0).
     torch.manual_seed(7)
     with Controller(model, cfg) as controller:
@@ -60,7 +60,9 @@ def test_probes_leave_no_trace() -> None:
 def test_probe_steps_are_not_counted_in_stats() -> None:
     model, x, y = make_case("mlp")
     closure = make_closure(model, x, y)
-    with Controller(model, GactConfig.from_level("L2", min_numel=0)) as controller:
+    with Controller(
+        model, GactConfig.from_level("L2", min_numel=0, adapt_first_gap=0)
+    ) as controller:
         controller.iterate(closure)
         first = controller.stats()
         controller.iterate(closure)
@@ -98,7 +100,9 @@ def test_sensitive_tensors_get_more_bits_within_budget() -> None:
     model = TwoPaths()
     x, y = torch.randn(256, 256), torch.randint(0, 4, (256,))
     for method in ("pairwise", "probe"):
-        cfg = GactConfig.from_level("L2", min_numel=0, sensitivity_method=method, num_probes=8)
+        cfg = GactConfig.from_level(
+            "L2", min_numel=0, sensitivity_method=method, num_probes=8, adapt_first_gap=0
+        )
         with Controller(model, cfg) as controller:
             controller.iterate(make_closure(model, x, y))
             controller.iterate(make_closure(model, x, y))
@@ -114,7 +118,7 @@ def test_sensitive_tensors_get_more_bits_within_budget() -> None:
 
 def test_probes_on_a_sub_batch_still_measure_small_tensors() -> None:
     model, x, y = make_case("mlp")  # batch 32: activations of 32 x 128 = 4096 elements
-    cfg = GactConfig.from_level("L2", min_numel=2048)
+    cfg = GactConfig.from_level("L2", min_numel=2048, adapt_first_gap=0)
     with Controller(model, cfg) as controller:
         controller.iterate(
             make_closure(model, x, y), probe_closure=make_closure(model, x[:4], y[:4])
@@ -136,7 +140,9 @@ def test_a_failing_adaptation_still_closes_the_step() -> None:
             raise RuntimeError("probe failed")
         return closure()
 
-    with Controller(model, GactConfig.from_level("L2", min_numel=0)) as controller:
+    with Controller(
+        model, GactConfig.from_level("L2", min_numel=0, adapt_first_gap=0)
+    ) as controller:
         try:
             controller.iterate(flaky)
         except RuntimeError as e:
@@ -207,22 +213,44 @@ def test_adaptations_follow_the_schedule_when_affordable() -> None:
     cfg = GactConfig.from_level(
         "L2", min_numel=0, adapt_interval=40, adapt_first_gap=5, adapt_budget=1e6
     )
-    assert _adapted_steps(cfg, 90) == [0, 5, 10, 20, 40, 80]
+    assert _adapted_steps(cfg, 90) == [5, 10, 20, 40, 80]  # step 0: the prior allocation
 
 
 def test_the_time_budget_delays_adaptations() -> None:
-    assert _adapted_steps(GactConfig.from_level("L2", min_numel=0, adapt_budget=0.0), 30) == [0]
+    assert _adapted_steps(GactConfig.from_level("L2", min_numel=0, adapt_budget=0.0), 30) == []
+    original = GactConfig.from_level("L2", min_numel=0, adapt_first_gap=0, adapt_budget=0.0)
+    assert _adapted_steps(original, 30) == [0]  # the original schedule probes at step 0
     # probes cost about a step each: a 5% budget cannot afford a second adaptation in 30 steps
     cfg = GactConfig.from_level("L2", min_numel=0, adapt_first_gap=1, adapt_budget=0.05)
-    assert _adapted_steps(cfg, 30) == [0]
+    assert _adapted_steps(cfg, 30) == []
 
 
 def test_report_shows_estimates_with_their_uncertainty() -> None:
     model, x, y = make_case("cnn")
-    with Controller(model, GactConfig.from_level("L2", min_numel=0)) as controller:
+    with Controller(
+        model, GactConfig.from_level("L2", min_numel=0, adapt_first_gap=0)
+    ) as controller:
         controller.iterate(make_closure(model, x, y))
     report = controller.report()
     quantized = [line for line in report.splitlines() if " quantized " in line]
     assert quantized and all("±" in line for line in quantized)
     assert "+1m" in report  # the ReLU outputs carry their exact decision masks
     assert "sensitivity: the gradient variance" in report.splitlines()[-1]
+
+
+def test_the_first_step_allocates_without_probes() -> None:
+    """NOTE [Prior allocation]: equal sensitivities, so the small tensors get the wider codes."""
+    model = nn.Sequential(nn.Linear(256, 512), nn.Tanh(), nn.Linear(512, 8), nn.Tanh(),
+                          nn.Linear(8, 4))  # fmt: skip
+    x, y = torch.randn(256, 256), torch.randint(0, 4, (256,))
+    runs = []
+    closure = make_closure(model, x, y)
+    with Controller(model, GactConfig.from_level("L2", min_numel=0)) as controller:
+        controller.iterate(lambda: runs.append(1) or closure())
+    assert runs == [1] and controller.stats()["adaptations"] == 0
+    bits = controller.plan.bits
+    small, large = "3#0:float32:2d", "1#0:float32:2d"  # tanh outputs of 256 x 8 and 256 x 512
+    assert bits[small] > bits[large]
+    numel = {k: controller.ledger.last[k].numel for k in bits}
+    used = sum(n * (bits[k] + 0.25) for k, n in numel.items())
+    assert used <= 4.0 * sum(numel.values())

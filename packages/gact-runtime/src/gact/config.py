@@ -70,9 +70,11 @@ class GactConfig:
         adapt_interval: adaptive levels re-estimate sensitivities at step 0, at the doubling
             steps ``adapt_first_gap``, 2x, 4x, ... below ``adapt_interval``, and every
             ``adapt_interval`` steps (``gact_policy.AdaptationSchedule``).
-        adapt_first_gap: steps between the first and the second adaptation.
-        adapt_budget: adaptations after the first wait while they would make the time spent
-            adapting exceed this fraction of the training time (``0`` adapts once, at step 0).
+        adapt_first_gap: steps before the first probing adaptation (the first step allocates
+            without probes, NOTE [Prior allocation]); ``0`` is the original GACT's schedule:
+            probes at step 0 and every ``adapt_interval`` steps.
+        adapt_budget: probing adaptations (but one at step 0) wait while they would make the
+            time spent adapting exceed this fraction of the training time.
         sensitivity_method: ``"pairwise"`` (``gact_policy.pairwise_sensitivity``: about
             ``sqrt(2L)`` probes for ``L`` tensors, each re-seeding a set of tensors) or ``"probe"``
             (``gact_policy.probe_sensitivity``, the paper's Algorithm 1: ``L + 1`` probes).
@@ -126,7 +128,7 @@ class GactConfig:
             )
         _check_int("min_numel", self.min_numel, 0)
         _check_int("adapt_interval", self.adapt_interval, 1)
-        _check_int("adapt_first_gap", self.adapt_first_gap, 1)
+        _check_int("adapt_first_gap", self.adapt_first_gap, 0)
         if not _is_real(self.adapt_budget) or not 0.0 <= self.adapt_budget < float("inf"):
             raise ConfigError(f"adapt_budget must be a fraction >= 0, got {self.adapt_budget!r}")
         if self.sensitivity_method not in _SENSITIVITY_METHODS:
@@ -175,9 +177,8 @@ class GactConfig:
     @property
     def schedule(self) -> gact_policy.AdaptationSchedule:
         """When adaptive levels re-estimate sensitivities."""
-        return gact_policy.AdaptationSchedule(
-            self.adapt_interval, self.adapt_first_gap, self.adapt_budget
-        )
+        first_gap = self.adapt_first_gap or self.adapt_interval
+        return gact_policy.AdaptationSchedule(self.adapt_interval, first_gap, self.adapt_budget)
 
     @property
     def overhead_bits(self) -> float:

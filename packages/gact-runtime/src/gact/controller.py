@@ -311,14 +311,20 @@ class Controller:
 
     @property
     def adaptation_due(self) -> bool:
-        """Whether the open step is one on which an adaptive level re-estimates sensitivities."""
-        cfg, adapter = self.config, self.adapter
-        if not cfg.spec.adaptive or not cfg.schedule.due(self.plan.step, last=adapter.last_step):
+        """Whether the open step is one on which an adaptive level probes sensitivities (NOTE
+        [Adaptation schedule] in gact_policy, and NOTE [Prior allocation] in adapt.py)."""
+        cfg, adapter, step = self.config, self.adapter, self.plan.step
+        if not cfg.spec.adaptive:
             return False
-        return adapter.count == 0 or cfg.schedule.affordable(
-            adapted_seconds=adapter.seconds,
-            trained_seconds=self._step_seconds - adapter.seconds,
-            cost_seconds=adapter.last_seconds,
+        if step == 0:
+            return cfg.adapt_first_gap == 0  # the original GACT's schedule
+        last = 0 if adapter.last_step is None else adapter.last_step
+        if not cfg.schedule.due(step, last=last):
+            return False
+        trained = self._step_seconds - adapter.seconds
+        cost = adapter.last_seconds or adapter.predicted_cost(trained / step)
+        return cfg.schedule.affordable(
+            adapted_seconds=adapter.seconds, trained_seconds=trained, cost_seconds=cost
         )
 
     def run_closure(self, closure: Callable[[], T]) -> T:
@@ -362,10 +368,10 @@ class Controller:
         if self.adaptation_due and self.ledger.current:
             self._warn_once(
                 "no adaptation",
-                f"level {self.config.level} adapts bit widths only in iterate(closure), on the "
-                f"steps its schedule makes due (step 0 first); this loop calls step() instead, "
-                f"so every tensor keeps {self.plan.default_bits} bits. Call "
-                "controller.iterate(closure) on those steps (see Controller.adaptation_due)",
+                f"level {self.config.level} probes sensitivities only in iterate(closure), on "
+                "the steps its schedule makes due; this loop calls step() instead, so the "
+                "widths stay those of the prior allocation. Call controller.iterate(closure) on "
+                "those steps (see Controller.adaptation_due)",
             )
         self._end_step("step")
 
@@ -373,9 +379,11 @@ class Controller:
         if boundary == "auto" and self.adaptation_due:
             self._warn_once(
                 "no adaptation",
-                f"level {self.config.level} adapts bit widths only in iterate(closure); this "
-                f"loop never calls it, so every tensor keeps {self.plan.default_bits} bits",
+                f"level {self.config.level} probes sensitivities only in iterate(closure); this "
+                "loop never calls it, so the widths stay those of the prior allocation",
             )
+        if self.config.spec.adaptive and not self.adapter.has_prior:
+            self.adapter.allocate_prior(self.ledger.current)
         now = time.perf_counter()
         self._step_seconds += now - self._step_started
         self._step_started = now

@@ -89,7 +89,9 @@ def _no_hooks() -> bool:
 
 @pytest.mark.parametrize("level", list(LEVELS))
 def test_trains_at_every_level(level: str) -> None:
-    callback = GactCallback(GactConfig.from_level(level, adapt_interval=2, adapt_budget=1e6))
+    callback = GactCallback(
+        GactConfig.from_level(level, adapt_interval=2, adapt_first_gap=0, adapt_budget=1e6)
+    )
     module = _classifier(pl.LightningModule)
     _fit(callback, module)
     stats = callback.controller.stats()
@@ -101,7 +103,9 @@ def test_trains_at_every_level(level: str) -> None:
 
 
 def test_accumulation_and_bf16_mixed() -> None:
-    callback = GactCallback(GactConfig.from_level("L2", adapt_interval=2, adapt_budget=1e6))
+    callback = GactCallback(
+        GactConfig.from_level("L2", adapt_interval=2, adapt_first_gap=0, adapt_budget=1e6)
+    )
     module = _classifier(pl.LightningModule)
     trainer = _fit(callback, module, accumulate_grad_batches=2, precision="bf16-mixed")
     stats = callback.controller.stats()
@@ -114,7 +118,7 @@ def test_accumulation_and_bf16_mixed() -> None:
 
 
 def test_figures_are_logged_and_probes_do_not_log() -> None:
-    callback = GactCallback("L2")
+    callback = GactCallback(GactConfig.from_level("L2", adapt_first_gap=0))
     module = _classifier(pl.LightningModule, submodules=True)
     trainer = _fit(callback, module)
     metrics = trainer.logged_metrics
@@ -128,7 +132,7 @@ def test_figures_are_logged_and_probes_do_not_log() -> None:
 
 
 def test_training_step_without_batch_idx() -> None:
-    callback = GactCallback("L2")
+    callback = GactCallback(GactConfig.from_level("L2", adapt_first_gap=0))
     module = _classifier(pl.LightningModule)
     two_arguments = module.training_step
     module.training_step = lambda batch: two_arguments(batch, 0)  # Lightning passes no index
@@ -137,14 +141,14 @@ def test_training_step_without_batch_idx() -> None:
 
 
 def test_failed_training_leaves_no_hooks() -> None:
-    callback = GactCallback("L2")
+    callback = GactCallback(GactConfig.from_level("L2", adapt_first_gap=0))
     with pytest.raises(ValueError, match="training_step failed"):
         _fit(callback, _classifier(pl.LightningModule, fail_at=2))
     assert _no_hooks() and not callback.controller.installed
 
 
 def test_epoch_cut_short_by_the_module_leaves_no_hooks() -> None:
-    callback = GactCallback("L2")
+    callback = GactCallback(GactConfig.from_level("L2", adapt_first_gap=0))
     module = _classifier(pl.LightningModule)
     # returning -1 ends the epoch right after the callbacks' on_train_batch_start
     module.on_train_batch_start = lambda batch, batch_idx: -1 if batch_idx == 1 else None
@@ -155,20 +159,23 @@ def test_epoch_cut_short_by_the_module_leaves_no_hooks() -> None:
 
 def test_manual_optimization_is_refused() -> None:
     with pytest.raises(IntegrationError, match="automatic optimization"):
-        _fit(GactCallback("L2"), _classifier(pl.LightningModule, manual=True))
+        _fit(
+            GactCallback(GactConfig.from_level("L2", adapt_first_gap=0)),
+            _classifier(pl.LightningModule, manual=True),
+        )
     assert _no_hooks()
 
 
 def test_controller_before_training_raises() -> None:
     with pytest.raises(IntegrationError, match=r"once trainer\.fit"):
-        GactCallback("L2").controller  # noqa: B018
+        GactCallback(GactConfig.from_level("L2", adapt_first_gap=0)).controller  # noqa: B018
 
 
 def test_pytorch_lightning_package() -> None:
     legacy = pytest.importorskip("pytorch_lightning")
     from gact.integrations.pytorch_lightning import GactCallback as LegacyCallback
 
-    callback = LegacyCallback("L2")
+    callback = LegacyCallback(GactConfig.from_level("L2", adapt_first_gap=0))
     _fit(callback, _classifier(legacy.LightningModule), trainer_cls=legacy.Trainer)
     assert callback.controller.stats()["step"] == 3
     assert callback.controller.stats()["adaptations"] == 1

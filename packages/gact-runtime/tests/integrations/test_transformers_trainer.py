@@ -74,7 +74,9 @@ def _no_hooks() -> bool:
 
 @pytest.mark.parametrize("level", list(LEVELS))
 def test_trains_at_every_level(level: str, tmp_path: Path) -> None:
-    callback = GactCallback(GactConfig.from_level(level, adapt_interval=2, adapt_budget=1e6))
+    callback = GactCallback(
+        GactConfig.from_level(level, adapt_interval=2, adapt_first_gap=0, adapt_budget=1e6)
+    )
     trainer = _trainer(tmp_path, [callback], max_steps=3)
     output = trainer.train()
     stats = callback.controller.stats()
@@ -87,9 +89,13 @@ def test_trains_at_every_level(level: str, tmp_path: Path) -> None:
 
 
 def test_gradient_accumulation_is_one_gact_step_per_optimizer_step(tmp_path: Path) -> None:
-    single = GactCallback(GactConfig.from_level("L2", adapt_interval=2, adapt_budget=1e6))
+    single = GactCallback(
+        GactConfig.from_level("L2", adapt_interval=2, adapt_first_gap=0, adapt_budget=1e6)
+    )
     _trainer(tmp_path, [single], max_steps=3).train()
-    accumulated = GactCallback(GactConfig.from_level("L2", adapt_interval=2, adapt_budget=1e6))
+    accumulated = GactCallback(
+        GactConfig.from_level("L2", adapt_interval=2, adapt_first_gap=0, adapt_budget=1e6)
+    )
     trainer = _trainer(tmp_path, [accumulated], max_steps=3, gradient_accumulation_steps=2)
     trainer.train()
     stats = accumulated.controller.stats()
@@ -107,7 +113,7 @@ def test_probes_use_the_trainers_loss(tmp_path: Path) -> None:
         logits = outputs.logits[:, :-1].reshape(-1, VOCAB)
         return torch.nn.functional.cross_entropy(logits, labels[:, 1:].reshape(-1))
 
-    callback = GactCallback("L2")
+    callback = GactCallback(GactConfig.from_level("L2", adapt_first_gap=0))
     trainer = _trainer(tmp_path, [callback], max_steps=1)
     trainer.compute_loss_func = loss_func
     trainer.train()
@@ -116,7 +122,7 @@ def test_probes_use_the_trainers_loss(tmp_path: Path) -> None:
 
 
 def test_bf16_autocast(tmp_path: Path) -> None:
-    callback = GactCallback("L2")
+    callback = GactCallback(GactConfig.from_level("L2", adapt_first_gap=0))
     output = _trainer(tmp_path, [callback], bf16=True).train()
     report = callback.controller.report()
     assert math.isfinite(output.training_loss)
@@ -170,7 +176,7 @@ class _ForwardFails(torch.nn.Module):
 
 @pytest.mark.parametrize("where", ["forward", "between steps"])
 def test_failed_training_leaves_no_hooks_and_can_rerun(where: str, tmp_path: Path) -> None:
-    callback = GactCallback("L2")
+    callback = GactCallback(GactConfig.from_level("L2", adapt_first_gap=0))
     if where == "forward":
         trainer = _trainer(tmp_path, [callback], model=_ForwardFails(), max_steps=3)
         error: type[Exception] = ValueError
@@ -189,7 +195,7 @@ def test_failed_training_leaves_no_hooks_and_can_rerun(where: str, tmp_path: Pat
 
 def test_controller_before_training_raises() -> None:
     with pytest.raises(IntegrationError, match=r"once trainer\.train"):
-        GactCallback("L2").controller  # noqa: B018
+        GactCallback(GactConfig.from_level("L2", adapt_first_gap=0)).controller  # noqa: B018
 
 
 def test_bad_config_raises() -> None:
