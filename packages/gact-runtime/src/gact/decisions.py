@@ -268,16 +268,20 @@ class Decision:
         return added
 
     def project(self, values: torch.Tensor) -> torch.Tensor:
-        """Clamp ``values`` into the exact region every mask records (see NOTE above)."""
+        """Move, in place, the values whose comparisons differ from the exact outcomes to the
+        nearest value with the right outcome (see NOTE above). Temporaries are bool tensors."""
         for (strict, t), packed in zip(self.predicates, self.masks):
             outcome = gact_kernels.unpack_mask(packed)
             bound = torch.tensor(t, dtype=values.dtype, device=values.device)
-            inf = torch.tensor(math.inf, dtype=values.dtype, device=values.device)
-            up, down = torch.nextafter(bound, inf), torch.nextafter(bound, -inf)
-            if strict:  # x > t: true -> at least the next value above t; false -> at most t
-                values = torch.where(outcome, values.clamp(min=up), values.clamp(max=bound))
-            else:  # x >= t: true -> at least t; false -> at most the value below t
-                values = torch.where(outcome, values.clamp(min=bound), values.clamp(max=down))
+            if strict:  # x > t: true -> the next value above t; false -> t
+                inward = (bound, torch.nextafter(bound, bound.new_tensor(math.inf)))
+                wrong = values.gt(t)
+            else:  # x >= t: true -> t; false -> the value below t
+                inward = (torch.nextafter(bound, bound.new_tensor(-math.inf)), bound)
+                wrong = values.ge(t)
+            wrong.ne_(outcome)
+            values.masked_fill_(wrong & outcome, inward[1])
+            values.masked_fill_(wrong.logical_and_(outcome.logical_not_()), inward[0])
         return values
 
 
