@@ -11,6 +11,14 @@ Integer packing: the int64 indices of a ResNet stem max-pool (3x3, stride 2, on 
 (32, 64, 112, 112) activation, NCHW and channels-last) and GPT-2-sized token ids: bytes before
 and after ``pack_ints``, and ``pack_ints`` / ``unpack_ints`` time as a share of ``x.clone()``.
 
+Zero-exact mode (``quantize(..., zero_exact=True)``) on ReLU-like data (half zeros at random
+positions, half |N(0, 1)|; every group holds a zero, so every group uses the sign-exact grid),
+per dtype and width (2, 3, 4, 8 bits): its quantize and dequantize time over the normal mode's
+(median of the per-round ratios, both modes interleaved in one process); the mean squared
+error of the round trip in both modes (over the positive elements, mean of a few seeds) and
+its ratio, beside the expected ((2^b - 1) / (2^b - 2))^2; and the share of positive elements
+the normal grid restores as 0 (the sign flips the mode removes; 0 in the mode, checked).
+
 Usage:
     python packages/gact-kernels/benchmarks/bench_kernels.py [--json results.json]
 """
@@ -38,10 +46,10 @@ def _timed(fn: Callable[[], object], sync: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
-def median_seconds(
+def interleaved_seconds(
     fns: dict[str, Callable[[], object]], device: torch.device, repeats: int
-) -> dict[str, float]:
-    """Median wall time of each function after a warm-up run.
+) -> dict[str, list[float]]:
+    """Wall times of each function over ``repeats`` rounds, after a warm-up run.
 
     The functions are timed in interleaved rounds, so that a machine whose load changes during
     the run (shared CI runners) skews all of them alike.
@@ -53,7 +61,20 @@ def median_seconds(
     for _ in range(repeats):
         for name, fn in fns.items():
             times[name].append(_timed(fn, sync))
+    return times
+
+
+def median_seconds(
+    fns: dict[str, Callable[[], object]], device: torch.device, repeats: int
+) -> dict[str, float]:
+    """Median wall time of each function over interleaved rounds (see interleaved_seconds)."""
+    times = interleaved_seconds(fns, device, repeats)
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def median_ratio(times: dict[str, list[float]], num: str, den: str) -> float:
+    """Median over rounds of time[num] / time[den] (the two were timed in the same round)."""
+    return statistics.median(a / b for a, b in zip(times[num], times[den]))
 
 
 def bench_one(x: torch.Tensor, bits: int, repeats: int, ref_repeats: int) -> dict[str, object]:
@@ -205,6 +226,99 @@ def run_ints(args: argparse.Namespace) -> list[dict[str, object]]:
     return rows
 
 
+def relu_like(numel: int, device: torch.device, seed: int = 0) -> torch.Tensor:
+    """Half zeros (at random positions), half |N(0, 1)|: a ReLU output."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(numel, device=device, generator=gen).abs_()
+    return x.masked_fill_(torch.rand(numel, device=device, generator=gen) < 0.5, 0.0)
+
+
+def round_trip_errors(
+    x: torch.Tensor, bits: int, zero_exact: bool, seeds: int
+) -> tuple[float, float]:
+    """Mean squared error of the round trip over the positive elements (mean over ``seeds``
+    seeds), and the share of positive elements restored as 0 (sign flips), in float64."""
+    positive = x > 0
+    xp = x[positive].double()
+    mse = flips = 0.0
+    for seed in range(seeds):
+        q = gact_kernels.quantize(x, bits, seed=seed, zero_exact=zero_exact)
+        yp = gact_kernels.dequantize(q)[positive].double()
+        mse += (yp - xp).square().mean().item() / seeds
+        flips += (yp == 0).double().mean().item() / seeds
+    return mse, flips
+
+
+def bench_zero_exact(x: torch.Tensor, bits: int, repeats: int, seeds: int) -> dict[str, object]:
+    normal = gact_kernels.quantize(x, bits, seed=1)
+    exact = gact_kernels.quantize(x, bits, seed=1, zero_exact=True)
+    assert exact.nbytes == normal.nbytes
+    times = interleaved_seconds(
+        {
+            "quantize": lambda: gact_kernels.quantize(x, bits, seed=1),
+            "quantize_zx": lambda: gact_kernels.quantize(x, bits, seed=1, zero_exact=True),
+            "dequantize": lambda: gact_kernels.dequantize(normal),
+            "dequantize_zx": lambda: gact_kernels.dequantize(exact),
+        },
+        x.device,
+        repeats,
+    )
+    mse_normal, flips_normal = round_trip_errors(x, bits, False, seeds)
+    mse_exact, flips_exact = round_trip_errors(x, bits, True, seeds)
+    if flips_exact != 0.0:
+        raise AssertionError("zero_exact=True restored a positive element as 0")
+    med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+    return {
+        "device": x.device.type,
+        "dtype": str(x.dtype).replace("torch.", ""),
+        "bits": bits,
+        "numel": x.numel(),
+        "quantize_ms": med["quantize"],
+        "quantize_zx_ms": med["quantize_zx"],
+        "dequantize_ms": med["dequantize"],
+        "dequantize_zx_ms": med["dequantize_zx"],
+        "quantize_ratio": median_ratio(times, "quantize_zx", "quantize"),
+        "dequantize_ratio": median_ratio(times, "dequantize_zx", "dequantize"),
+        "mse_normal": mse_normal,
+        "mse_zero_exact": mse_exact,
+        "mse_ratio": mse_exact / mse_normal,
+        "mse_ratio_expected": ((2**bits - 1) / (2**bits - 2)) ** 2,
+        "sign_flips_normal": flips_normal,
+    }
+
+
+ZX_HEADER = (
+    f"{'device':6} {'dtype':8} {'bits':>4} {'quant ms':>8} {'zx':>7} {'ratio':>5} "
+    f"{'deq ms':>8} {'zx':>7} {'ratio':>5} {'MSE normal':>10} {'MSE zx':>9} {'ratio':>5} "
+    f"{'expect':>6} {'flips normal':>12}"
+)
+
+
+def print_zx_row(r: dict[str, object]) -> None:
+    print(
+        f"{r['device']:6} {r['dtype']:8} {r['bits']:>4} {r['quantize_ms']:8.2f} "
+        f"{r['quantize_zx_ms']:7.2f} {r['quantize_ratio']:5.2f} {r['dequantize_ms']:8.2f} "
+        f"{r['dequantize_zx_ms']:7.2f} {r['dequantize_ratio']:5.2f} {r['mse_normal']:10.3e} "
+        f"{r['mse_zero_exact']:9.3e} {r['mse_ratio']:5.3f} {r['mse_ratio_expected']:6.3f} "
+        f"{100 * r['sign_flips_normal']:11.3f}%",
+        flush=True,
+    )
+
+
+def run_zero_exact(args: argparse.Namespace) -> list[dict[str, object]]:
+    rows = []
+    for device in _devices():
+        for name in args.dtypes:
+            dtype = DTYPES[name]
+            numel = args.size_mib * 2**20 // torch.empty((), dtype=dtype).element_size()
+            x = relu_like(numel, device).to(dtype)
+            for bits in args.zx_bits:
+                rows.append(bench_zero_exact(x, bits, args.repeats, args.zx_seeds))
+                print_zx_row(rows[-1])
+            del x
+    return rows
+
+
 def summarise(rows: list[dict[str, object]]) -> None:
     for device in sorted({r["device"] for r in rows}):
         mine = [r for r in rows if r["device"] == device]
@@ -236,23 +350,38 @@ def main() -> None:
     parser.add_argument(
         "--int-batch-divisor", type=int, default=1, help="shrink the integer cases' batch"
     )
-    parser.add_argument("--only", choices=["quantize", "ints"], help="run one part only")
+    parser.add_argument(
+        "--zx-bits", type=int, nargs="+", default=[2, 3, 4, 8], help="zero-exact widths"
+    )
+    parser.add_argument(
+        "--zx-seeds", type=int, default=3, help="seeds averaged in the zero-exact MSE"
+    )
+    parser.add_argument(
+        "--only", choices=["quantize", "ints", "zero_exact"], help="run one part only"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads")
-    rows, int_rows = [], []
-    if args.only != "ints":
+    rows, int_rows, zx_rows = [], [], []
+    if args.only in (None, "quantize"):
         print(HEADER)
         rows = run(args)
         summarise(rows)
-    if args.only != "quantize":
+    if args.only in (None, "ints"):
         print(INT_HEADER)
         int_rows = run_ints(args)
+    if args.only in (None, "zero_exact"):
+        print(ZX_HEADER)
+        zx_rows = run_zero_exact(args)
     if args.json:
         meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), **vars(args)}
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows, "int_rows": int_rows}, f, indent=2)
+            json.dump(
+                {"meta": meta, "rows": rows, "int_rows": int_rows, "zero_exact_rows": zx_rows},
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

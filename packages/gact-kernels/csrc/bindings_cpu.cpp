@@ -13,24 +13,24 @@ PYBIND11_MODULE(_cpu, m) {
   m.def(
       "quantize",
       [](uintptr_t x, int dtype, int64_t n, int64_t group_size, int bits, uint64_t seed,
-         uintptr_t out, uintptr_t lo, uintptr_t scale, int threads) {
-        gact::quantize_cpu(ptr<const void>(x), dtype, n, group_size, bits, seed, ptr<uint8_t>(out),
-                           ptr<float>(lo), ptr<float>(scale), threads);
+         bool zero_exact, uintptr_t out, uintptr_t lo, uintptr_t scale, int threads) {
+        gact::quantize_cpu(ptr<const void>(x), dtype, n, group_size, bits, seed, zero_exact,
+                           ptr<uint8_t>(out), ptr<float>(lo), ptr<float>(scale), threads);
       },
       py::arg("x"), py::arg("dtype"), py::arg("n"), py::arg("group_size"), py::arg("bits"),
-      py::arg("seed"), py::arg("out"), py::arg("lo"), py::arg("scale"), py::arg("threads"),
-      Release());
+      py::arg("seed"), py::arg("zero_exact"), py::arg("out"), py::arg("lo"), py::arg("scale"),
+      py::arg("threads"), Release());
   m.def(
       "dequantize",
       [](uintptr_t data, uintptr_t lo, uintptr_t scale, int64_t n, int64_t group_size, int bits,
-         uint64_t seed, int dtype, uintptr_t out, int threads) {
+         uint64_t seed, bool zero_exact, int dtype, uintptr_t out, int threads) {
         gact::dequantize_cpu(ptr<const uint8_t>(data), ptr<const float>(lo),
-                             ptr<const float>(scale), n, group_size, bits, seed, dtype,
-                             ptr<void>(out), threads);
+                             ptr<const float>(scale), n, group_size, bits, seed, zero_exact,
+                             dtype, ptr<void>(out), threads);
       },
       py::arg("data"), py::arg("lo"), py::arg("scale"), py::arg("n"), py::arg("group_size"),
-      py::arg("bits"), py::arg("seed"), py::arg("dtype"), py::arg("out"), py::arg("threads"),
-      Release());
+      py::arg("bits"), py::arg("seed"), py::arg("zero_exact"), py::arg("dtype"), py::arg("out"),
+      py::arg("threads"), Release());
   m.def(
       "pack_mask",
       [](uintptr_t in, int64_t n, uintptr_t out, int threads) {

@@ -14,25 +14,26 @@ PYBIND11_MODULE(_cuda, m) {
   m.def(
       "quantize",
       [](uintptr_t x, int dtype, int64_t n, int64_t group_size, int bits, uint64_t seed,
-         uintptr_t out, uintptr_t lo, uintptr_t scale, int device, uintptr_t stream) {
-        gact::quantize_cuda(ptr<const void>(x), dtype, n, group_size, bits, seed,
+         bool zero_exact, uintptr_t out, uintptr_t lo, uintptr_t scale, int device,
+         uintptr_t stream) {
+        gact::quantize_cuda(ptr<const void>(x), dtype, n, group_size, bits, seed, zero_exact,
                             ptr<uint8_t>(out), ptr<float>(lo), ptr<float>(scale), device,
                             ptr<void>(stream));
       },
       py::arg("x"), py::arg("dtype"), py::arg("n"), py::arg("group_size"), py::arg("bits"),
-      py::arg("seed"), py::arg("out"), py::arg("lo"), py::arg("scale"), py::arg("device"),
-      py::arg("stream"), Release());
+      py::arg("seed"), py::arg("zero_exact"), py::arg("out"), py::arg("lo"), py::arg("scale"),
+      py::arg("device"), py::arg("stream"), Release());
   m.def(
       "dequantize",
       [](uintptr_t data, uintptr_t lo, uintptr_t scale, int64_t n, int64_t group_size, int bits,
-         uint64_t seed, int dtype, uintptr_t out, int device, uintptr_t stream) {
+         uint64_t seed, bool zero_exact, int dtype, uintptr_t out, int device, uintptr_t stream) {
         gact::dequantize_cuda(ptr<const uint8_t>(data), ptr<const float>(lo),
-                              ptr<const float>(scale), n, group_size, bits, seed, dtype,
-                              ptr<void>(out), device, ptr<void>(stream));
+                              ptr<const float>(scale), n, group_size, bits, seed, zero_exact,
+                              dtype, ptr<void>(out), device, ptr<void>(stream));
       },
       py::arg("data"), py::arg("lo"), py::arg("scale"), py::arg("n"), py::arg("group_size"),
-      py::arg("bits"), py::arg("seed"), py::arg("dtype"), py::arg("out"), py::arg("device"),
-      py::arg("stream"), Release());
+      py::arg("bits"), py::arg("seed"), py::arg("zero_exact"), py::arg("dtype"), py::arg("out"),
+      py::arg("device"), py::arg("stream"), Release());
   m.def(
       "pack_mask",
       [](uintptr_t in, int64_t n, uintptr_t out, int device, uintptr_t stream) {

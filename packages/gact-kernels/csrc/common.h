@@ -23,6 +23,33 @@
 //    within a relative 2^-24 of (hi - lo) / (2^b - 1). A subnormal scale has fewer significant
 //    bits: rounded down, its grid stops short of hi and the elements above it are clamped
 //    (biased); rounded to 0, the whole group would come back as lo.
+//  * Zero-exact grid (quantize(..., zero_exact=True), bits >= 2; the container records the
+//    mode). Which groups: those not flagged whose lo is +0 (bit pattern 0x00000000, i.e. the
+//    minimum is a zero of either sign; for a non-negative input, every group holding a zero).
+//    Every other group (lo < 0, lo > 0, flagged) is coded exactly as above, and so is the
+//    flag rule (it still uses (hi - lo) / (2^b - 1)): `nbytes` never changes with the mode.
+//    With D = 2^b - 2 and tiny the smallest positive normal number of the *input* dtype
+//    (2^-126 for fp32 and bf16, 2^-14 for fp16; normal, so that flush-to-zero arithmetic
+//    downstream cannot turn it into 0), in the same fp32 arithmetic:
+//      scale = step = max(hi - tiny, 0) / D              (f_sub, f_max with +0, f_div),
+//      x > 0:   q = 1 + trunc(min(max(x - tiny, 0) / s + u, D)), s = step > 0 ? step : 1,
+//      else:    q = 0  (x is +0 or -0: code 0 means exactly 0),
+//      level(0) = +0, level(q >= 1) = tiny + float(q - 1) * step, clamped to FLT_MAX.
+//    u is the element's usual 24-bit noise. A positive element below tiny always gets code 1,
+//    the level tiny (a bias in (0, tiny)); one >= tiny is rounded unbiasedly between the
+//    levels tiny + k * step, k = 0 .. D. step == 0 only when hi <= tiny: every positive is
+//    then <= tiny, max(x - tiny, 0) = 0, and dividing by s = 1 gives k = 0 (code 1) instead of
+//    0/0. For fp32/bf16 a coded group with lo = 0 has fl(hi / (2^b - 1)) >= 2^-126, and every
+//    such hi gives step >= 2^-126 (checked at the smallest such hi for every width, in
+//    tests/test_zero_exact.py; both conditions are monotone in hi), so the step is a normal
+//    float and no further lossless rule is needed. For fp16, hi > tiny gives step >= 2^-32
+//    (fp16 values above 2^-14 lie at least 2^-24 apart); hi <= tiny gives step = 0.
+//    Decoding reads the mode and lo only: with the mode on, a group whose lo is +0 (bit
+//    pattern) is decoded on this grid. Constant zero groups (lo = +0, step 0, all codes 0)
+//    come back as 0 either way; flagged groups also store lo = +0 and come back as 0 here,
+//    then the wrapper overwrites them. Every positive level is >= tiny, and tiny lies on the
+//    fp16 and bf16 grids, so the stochastic output rounding below (which picks one of the two
+//    neighbours on the output grid) never takes a positive level below tiny, let alone to 0.
 //  * Dequantisation: v = level(q), clamped to [-FLT_MAX, FLT_MAX] (a level can round past the
 //    largest float when hi is close to it). fp32 output: v (round to nearest in the fp32
 //    arithmetic above). fp16/bf16 output: v rounded *stochastically* to the output grid, so
@@ -225,20 +252,41 @@ GACT_HD float uniform24(StreamKey key, uint32_t high, uint32_t e_low) {
 }
 
 // ---- quantisation ------------------------------------------------------------------------------
+// The first positive level of the zero-exact grid: the smallest positive normal number of the
+// input dtype (NOTE [storage and RNG invariants], "Zero-exact grid").
+template <int DT>
+GACT_HD constexpr float zero_exact_tiny() {
+  return DT == kFloat16 ? 6.103515625e-05f /* 2^-14 */ : kFloatMin;
+}
+
 struct GroupParams {
   float lo;
   float scale;  // NaN flags a group stored losslessly by the wrapper; 0 for constant groups
+  bool zero_exact;  // coded on the zero-exact grid (then lo == +0 and scale is its step)
 };
 
-// mn/mx: min and max over the group (ignoring NaN); bad: nonzero if any element is non-finite.
-GACT_HD GroupParams group_params(float mn, float mx, uint32_t bad, float levels) {
+// Whether a group with stored `lo` is decoded on the zero-exact grid (mode on, lo == +0).
+GACT_HD bool zero_exact_group(bool zero_exact, float lo) {
+  return zero_exact && f_bits(lo) == 0u;
+}
+
+// mn/mx: min and max over the group (ignoring NaN); bad: nonzero if any element is non-finite;
+// zero_exact: the mode; tiny: zero_exact_tiny<DT>().
+GACT_HD GroupParams group_params(float mn, float mx, uint32_t bad, float levels, bool zero_exact,
+                                 float tiny) {
   const float lo = f_add(mn, 0.0f);
-  const float range = f_sub(f_add(mx, 0.0f), lo);
+  const float hi = f_add(mx, 0.0f);
+  const float range = f_sub(hi, lo);
   const float scale = f_div(range, levels);
   GroupParams p;
+  p.zero_exact = false;
   if (bad || is_nonfinite(range) || (range > 0.0f && scale < kFloatMin)) {
     p.lo = 0.0f;
     p.scale = f_from_bits(0x7FC00000u);
+  } else if (zero_exact_group(zero_exact, lo)) {
+    p.lo = lo;
+    p.scale = f_div(f_max(f_sub(hi, tiny), 0.0f), f_sub(levels, 1.0f));
+    p.zero_exact = true;
   } else {
     p.lo = lo;
     p.scale = scale;
@@ -250,10 +298,24 @@ GACT_HD uint32_t quantize_one(float x, float lo, float scale, float levels, floa
   const float t = f_add(f_div(f_sub(x, lo), scale), u);
   return static_cast<uint32_t>(static_cast<int32_t>(f_min(t, levels)));
 }
+// Code for one element of a zero-exact group (top = 2^b - 2, step >= 0; see the NOTE).
+GACT_HD uint32_t quantize_zero_exact_one(float x, float tiny, float step, float top, float u) {
+  const float d = f_max(f_sub(x, tiny), 0.0f);
+  const float t = f_add(f_div(d, step > 0.0f ? step : 1.0f), u);
+  const uint32_t k = static_cast<uint32_t>(static_cast<int32_t>(f_min(t, top)));
+  return x > 0.0f ? k + 1u : 0u;
+}
 // The level of code q, clamped to the finite floats (NaN, for flagged groups, passes through).
 GACT_HD float dequantize_one(uint32_t q, float lo, float scale) {
   const float v = f_add(lo, f_mul(static_cast<float>(static_cast<int32_t>(q)), scale));
   return v > kFloatMax ? kFloatMax : (v < -kFloatMax ? -kFloatMax : v);
+}
+// The level of code q in a zero-exact group: exactly +0 for q == 0, else >= tiny.
+GACT_HD float dequantize_zero_exact_one(uint32_t q, float tiny, float step) {
+  float v = f_add(tiny, f_mul(static_cast<float>(static_cast<int32_t>(q) - 1), step));
+  v = v > kFloatMax ? kFloatMax : v;
+  // Code 0: clear every bit (+0). An integer mask, not a branch: the CPU loop vectorises.
+  return f_from_bits(f_bits(v) & (0u - static_cast<uint32_t>(q != 0u)));
 }
 
 // Storage type and conversions per float dtype code, resolved at compile time. `store` gets
@@ -363,6 +425,11 @@ struct BitReader {
 
 inline void check_group_size(int64_t G) {
   if (G <= 0 || G % kChunk != 0) throw std::invalid_argument("group_size must be a multiple of 8");
+}
+inline void check_zero_exact(bool zero_exact, int bits) {
+  if (zero_exact && bits < 2) {
+    throw std::invalid_argument("zero_exact needs bits >= 2 (1 bit leaves one positive level)");
+  }
 }
 
 // Host-side dispatch: calls F<DT, B>::run(args...) for a runtime dtype code and bit width.

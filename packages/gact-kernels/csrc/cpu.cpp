@@ -33,7 +33,8 @@ GACT_SIMD void to_floats(const typename Elem<DT>::type* __restrict x, int64_t m,
 // values), which vectorise without fast-math; NaN/Inf only set `bad`, as on the device.
 inline int32_t order_key(int32_t bits) { return bits ^ ((bits >> 31) & 0x7FFFFFFF); }
 
-GACT_SIMD GroupParams params_of(const float* __restrict xs, int64_t m, float levels) {
+GACT_SIMD GroupParams params_of(const float* __restrict xs, int64_t m, float levels,
+                                bool zero_exact, float tiny) {
   int32_t lo = INT32_MAX, hi = INT32_MIN;
   uint32_t bad = 0;
   for (int64_t j = 0; j < m; ++j) {
@@ -44,7 +45,8 @@ GACT_SIMD GroupParams params_of(const float* __restrict xs, int64_t m, float lev
     hi = key > hi ? key : hi;
     bad |= is_nonfinite(xs[j]);
   }
-  return group_params(f_from_bits(order_key(lo)), f_from_bits(order_key(hi)), bad, levels);
+  return group_params(f_from_bits(order_key(lo)), f_from_bits(order_key(hi)), bad, levels,
+                      zero_exact, tiny);
 }
 
 // Codes of m elements whose indices have constant high 32 bits.
@@ -53,6 +55,17 @@ GACT_SIMD void codes_run(const float* __restrict xs, int64_t m, GroupParams p, f
   for (int64_t j = 0; j < m; ++j) {
     const uint32_t e = e_low + static_cast<uint32_t>(j);
     q[j] = static_cast<uint8_t>(quantize_one(xs[j], p.lo, p.scale, levels, uniform24(key, high, e)));
+  }
+}
+// Same on the zero-exact grid (p.zero_exact; `levels` is still 2^b - 1).
+GACT_SIMD void codes_run_zero_exact(const float* __restrict xs, int64_t m, GroupParams p,
+                                    float levels, float tiny, StreamKey key, uint32_t high,
+                                    uint32_t e_low, uint8_t* __restrict q) {
+  const float top = f_sub(levels, 1.0f);
+  for (int64_t j = 0; j < m; ++j) {
+    const uint32_t e = e_low + static_cast<uint32_t>(j);
+    q[j] = static_cast<uint8_t>(
+        quantize_zero_exact_one(xs[j], tiny, p.scale, top, uniform24(key, high, e)));
   }
 }
 
@@ -68,10 +81,14 @@ void by_runs(StreamKey key, uint64_t first, int64_t m, Body body) {
   }
 }
 
-void codes_of(const float* xs, int64_t m, GroupParams p, float levels, StreamKey key,
-              uint64_t first, uint8_t* q) {
+void codes_of(const float* xs, int64_t m, GroupParams p, float levels, float tiny,
+              StreamKey key, uint64_t first, uint8_t* q) {
   by_runs(key, first, m, [&](int64_t j, int64_t len, uint32_t high, uint32_t e_low) {
-    codes_run(xs + j, len, p, levels, key, high, e_low, q + j);
+    if (p.zero_exact) {
+      codes_run_zero_exact(xs + j, len, p, levels, tiny, key, high, e_low, q + j);
+    } else {
+      codes_run(xs + j, len, p, levels, key, high, e_low, q + j);
+    }
   });
 }
 
@@ -132,6 +149,19 @@ GACT_SIMD void dequantize_run(const uint8_t* __restrict q, int64_t m, float lo, 
                               float* __restrict out) {
   for (int64_t j = 0; j < m; ++j) out[j] = dequantize_one(q[j], lo, scale);
 }
+GACT_SIMD void dequantize_run_zero_exact(const uint8_t* __restrict q, int64_t m, float tiny,
+                                         float step, float* __restrict out) {
+  for (int64_t j = 0; j < m; ++j) out[j] = dequantize_zero_exact_one(q[j], tiny, step);
+}
+// The levels of one group's m codes, on the grid the mode and its lo select.
+inline void levels_of(const uint8_t* q, int64_t m, float lo, float scale, bool zero_exact,
+                      float tiny, float* out) {
+  if (zero_exact_group(zero_exact, lo)) {
+    dequantize_run_zero_exact(q, m, tiny, scale, out);
+  } else {
+    dequantize_run(q, m, lo, scale, out);
+  }
+}
 
 // Rounds m levels stochastically to DT (fp16/bf16) with the dequantisation stream.
 template <int DT>
@@ -144,9 +174,10 @@ GACT_SIMD void round_run(const float* __restrict v, int64_t m, StreamKey key, ui
 
 template <int DT, int B>
 void quantize_impl(const typename Elem<DT>::type* x, int64_t n, int64_t G, StreamKey key,
-                   uint8_t* out, float* lo, float* scale, int threads) {
+                   bool zero_exact, uint8_t* out, float* lo, float* scale, int threads) {
   const int64_t groups = (n + G - 1) / G;
   const float levels = static_cast<float>((1 << B) - 1);
+  constexpr float tiny = zero_exact_tiny<DT>();
 #pragma omp parallel num_threads(team_size(threads, n))
   {
     std::vector<float> fbuf(DT == kFloat32 ? 0 : G);
@@ -161,18 +192,20 @@ void quantize_impl(const typename Elem<DT>::type* x, int64_t n, int64_t G, Strea
       } else {
         to_floats<DT>(x + first, m, fbuf.data());
       }
-      const GroupParams p = params_of(xs, m, levels);
+      const GroupParams p = params_of(xs, m, levels, zero_exact, tiny);
       lo[g] = p.lo;
       scale[g] = p.scale;
       uint8_t* dst = out + first / kChunk * B;
-      if (!(p.scale > 0.0f)) {  // constant (0) or flagged (NaN) group: all codes 0
+      // Constant (0) or flagged (NaN) group: all codes 0. A zero-exact group is coded even
+      // with a step of 0 (its positives get code 1).
+      if (!(p.scale > 0.0f) && !p.zero_exact) {
         std::memset(dst, 0, (m * B + 7) / 8);
         continue;
       }
       if constexpr (B == 8) {
-        codes_of(xs, m, p, levels, key, first, dst);
+        codes_of(xs, m, p, levels, tiny, key, first, dst);
       } else {
-        codes_of(xs, m, p, levels, key, first, qbuf.data());
+        codes_of(xs, m, p, levels, tiny, key, first, qbuf.data());
         std::memset(qbuf.data() + m, 0, kChunk);
         pack_codes<B>(qbuf.data(), m, dst);
       }
@@ -182,8 +215,10 @@ void quantize_impl(const typename Elem<DT>::type* x, int64_t n, int64_t G, Strea
 
 template <int DT, int B>
 void dequantize_impl(const uint8_t* data, const float* lo, const float* scale, int64_t n,
-                     int64_t G, StreamKey key, typename Elem<DT>::type* out, int threads) {
+                     int64_t G, StreamKey key, bool zero_exact, typename Elem<DT>::type* out,
+                     int threads) {
   const int64_t groups = (n + G - 1) / G;
+  constexpr float tiny = zero_exact_tiny<DT>();
 #pragma omp parallel num_threads(team_size(threads, n))
   {
     std::vector<uint8_t> qbuf(B == 8 ? 0 : G + kChunk);
@@ -198,9 +233,9 @@ void dequantize_impl(const uint8_t* data, const float* lo, const float* scale, i
         q = qbuf.data();
       }
       if constexpr (DT == kFloat32) {
-        dequantize_run(q, m, lo[g], scale[g], out + first);
+        levels_of(q, m, lo[g], scale[g], zero_exact, tiny, out + first);
       } else {
-        dequantize_run(q, m, lo[g], scale[g], fbuf.data());
+        levels_of(q, m, lo[g], scale[g], zero_exact, tiny, fbuf.data());
         by_runs(key, first, m, [&](int64_t j, int64_t len, uint32_t high, uint32_t e_low) {
           round_run<DT>(fbuf.data() + j, len, key, high, e_low, out + first + j);
         });
@@ -211,37 +246,41 @@ void dequantize_impl(const uint8_t* data, const float* lo, const float* scale, i
 
 template <int DT, int B>
 struct Quantize {
-  static void run(const void* x, int64_t n, int64_t G, StreamKey key, uint8_t* out, float* lo,
-                  float* scale, int threads) {
-    quantize_impl<DT, B>(static_cast<const typename Elem<DT>::type*>(x), n, G, key, out, lo,
-                         scale, threads);
+  static void run(const void* x, int64_t n, int64_t G, StreamKey key, bool zero_exact,
+                  uint8_t* out, float* lo, float* scale, int threads) {
+    quantize_impl<DT, B>(static_cast<const typename Elem<DT>::type*>(x), n, G, key, zero_exact,
+                         out, lo, scale, threads);
   }
 };
 template <int DT, int B>
 struct Dequantize {
   static void run(const uint8_t* data, const float* lo, const float* scale, int64_t n, int64_t G,
-                  StreamKey key, void* out, int threads) {
-    dequantize_impl<DT, B>(data, lo, scale, n, G, key, static_cast<typename Elem<DT>::type*>(out),
-                           threads);
+                  StreamKey key, bool zero_exact, void* out, int threads) {
+    dequantize_impl<DT, B>(data, lo, scale, n, G, key, zero_exact,
+                           static_cast<typename Elem<DT>::type*>(out), threads);
   }
 };
 
 }  // namespace
 
 void quantize_cpu(const void* x, int dtype, int64_t n, int64_t group_size, int bits,
-                  uint64_t seed, uint8_t* out, float* lo, float* scale, int threads) {
+                  uint64_t seed, bool zero_exact, uint8_t* out, float* lo, float* scale,
+                  int threads) {
   check_group_size(group_size);
+  check_zero_exact(zero_exact, bits);
   if (n <= 0) return;
-  dispatch<Quantize>(dtype, bits, x, n, group_size, quantize_key(seed), out, lo, scale, threads);
+  dispatch<Quantize>(dtype, bits, x, n, group_size, quantize_key(seed), zero_exact, out, lo,
+                     scale, threads);
 }
 
 void dequantize_cpu(const uint8_t* data, const float* lo, const float* scale, int64_t n,
-                    int64_t group_size, int bits, uint64_t seed, int dtype, void* out,
-                    int threads) {
+                    int64_t group_size, int bits, uint64_t seed, bool zero_exact, int dtype,
+                    void* out, int threads) {
   check_group_size(group_size);
+  check_zero_exact(zero_exact, bits);
   if (n <= 0) return;
-  dispatch<Dequantize>(dtype, bits, data, lo, scale, n, group_size, dequantize_key(seed), out,
-                       threads);
+  dispatch<Dequantize>(dtype, bits, data, lo, scale, n, group_size, dequantize_key(seed),
+                       zero_exact, out, threads);
 }
 
 bool pack_mask_cpu(const uint8_t* in, int64_t n, uint8_t* out, int threads) {

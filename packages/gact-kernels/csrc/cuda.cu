@@ -99,10 +99,12 @@ __device__ __forceinline__ uint64_t load_codes(const uint8_t* src, int cnt) {
 template <int DT, int B>
 __global__ void __launch_bounds__(kThreads)
     quantize_kernel(const typename Elem<DT>::type* __restrict__ x, int64_t n, int64_t G,
-                    StreamKey key, uint8_t* __restrict__ out, float* __restrict__ lo,
-                    float* __restrict__ scale) {
+                    StreamKey key, bool zero_exact, uint8_t* __restrict__ out,
+                    float* __restrict__ lo, float* __restrict__ scale) {
   const int lane = threadIdx.x & 31;
   const float levels = static_cast<float>((1 << B) - 1);
+  const float top = static_cast<float>((1 << B) - 2);  // zero-exact grid: 2^b - 2
+  constexpr float tiny = zero_exact_tiny<DT>();
   const int64_t groups = (n + G - 1) / G;
   const int64_t warps = grid_threads() / 32;
   for (int64_t g = global_thread() / 32; g < groups; g += warps) {
@@ -130,12 +132,14 @@ __global__ void __launch_bounds__(kThreads)
       mx = f_max(__shfl_xor_sync(0xFFFFFFFFu, mx, off), mx);
       bad |= __shfl_xor_sync(0xFFFFFFFFu, bad, off);
     }
-    const GroupParams p = group_params(mn, mx, bad, levels);
+    const GroupParams p = group_params(mn, mx, bad, levels, zero_exact, tiny);
     if (lane == 0) {
       lo[g] = p.lo;
       scale[g] = p.scale;
     }
-    const bool coded = p.scale > 0.0f;  // false for constant (0) and flagged (NaN) groups
+    // False for constant (0) and flagged (NaN) groups; a zero-exact group is coded even with a
+    // step of 0 (its positives get code 1). Both are uniform over the warp.
+    const bool coded = p.scale > 0.0f || p.zero_exact;
     for (int64_t c = lane; c < chunks; c += 32) {
       const int cnt = static_cast<int>(min64(kChunk, m - c * kChunk));
       const int64_t e0 = first + c * kChunk;
@@ -149,8 +153,10 @@ __global__ void __launch_bounds__(kThreads)
         for (int j = 0; j < kChunk; ++j) {
           if (j < cnt) {
             const uint32_t e_low = static_cast<uint32_t>(e0) + j;
-            const uint32_t q =
-                quantize_one(v[j], p.lo, p.scale, levels, uniform24(key, high, e_low));
+            const float u = uniform24(key, high, e_low);
+            const uint32_t q = p.zero_exact
+                                   ? quantize_zero_exact_one(v[j], tiny, p.scale, top, u)
+                                   : quantize_one(v[j], p.lo, p.scale, levels, u);
             w |= static_cast<uint64_t>(q) << (j * B);
           }
         }
@@ -164,14 +170,16 @@ template <int DT, int B>
 __global__ void __launch_bounds__(kThreads)
     dequantize_kernel(const uint8_t* __restrict__ data, const float* __restrict__ lo,
                       const float* __restrict__ scale, int64_t n, int64_t G, StreamKey key,
-                      typename Elem<DT>::type* __restrict__ out) {
+                      bool zero_exact, typename Elem<DT>::type* __restrict__ out) {
   constexpr uint64_t mask = (1u << B) - 1;
+  constexpr float tiny = zero_exact_tiny<DT>();
   const int64_t chunks = (n + kChunk - 1) / kChunk;
   for (int64_t c = global_thread(); c < chunks; c += grid_threads()) {
     const int64_t e0 = c * kChunk;
     const int cnt = static_cast<int>(min64(kChunk, n - e0));
     const int64_t g = e0 / G;
     const float l = lo[g], s = scale[g];
+    const bool zx = zero_exact_group(zero_exact, l);  // uniform over the chunk
     const uint64_t w = load_codes<B>(data + c * B, cnt);
     float v[kChunk];
     uint32_t h[kChunk] = {};
@@ -179,7 +187,8 @@ __global__ void __launch_bounds__(kThreads)
     const uint32_t high = stream_high(key, static_cast<uint64_t>(e0));
 #pragma unroll
     for (int j = 0; j < kChunk; ++j) {
-      v[j] = dequantize_one(static_cast<uint32_t>((w >> (j * B)) & mask), l, s);
+      const uint32_t q = static_cast<uint32_t>((w >> (j * B)) & mask);
+      v[j] = zx ? dequantize_zero_exact_one(q, tiny, s) : dequantize_one(q, l, s);
       if constexpr (DT != kFloat32) h[j] = hash32(key, high, static_cast<uint32_t>(e0) + j);
     }
     store_chunk<DT>(out + e0, cnt, v, h);
@@ -224,44 +233,46 @@ __global__ void __launch_bounds__(kThreads)
 
 template <int DT, int B>
 struct Quantize {
-  static void run(const void* x, int64_t n, int64_t G, StreamKey key, uint8_t* out, float* lo,
-                  float* scale, cudaStream_t stream) {
+  static void run(const void* x, int64_t n, int64_t G, StreamKey key, bool zero_exact,
+                  uint8_t* out, float* lo, float* scale, cudaStream_t stream) {
     const int64_t groups = (n + G - 1) / G;
     quantize_kernel<DT, B><<<blocks_for(groups * 32), kThreads, 0, stream>>>(
-        static_cast<const typename Elem<DT>::type*>(x), n, G, key, out, lo, scale);
+        static_cast<const typename Elem<DT>::type*>(x), n, G, key, zero_exact, out, lo, scale);
   }
 };
 
 template <int DT, int B>
 struct Dequantize {
   static void run(const uint8_t* data, const float* lo, const float* scale, int64_t n, int64_t G,
-                  StreamKey key, void* out, cudaStream_t stream) {
+                  StreamKey key, bool zero_exact, void* out, cudaStream_t stream) {
     dequantize_kernel<DT, B><<<blocks_for((n + kChunk - 1) / kChunk), kThreads, 0, stream>>>(
-        data, lo, scale, n, G, key, static_cast<typename Elem<DT>::type*>(out));
+        data, lo, scale, n, G, key, zero_exact, static_cast<typename Elem<DT>::type*>(out));
   }
 };
 
 }  // namespace
 
 void quantize_cuda(const void* x, int dtype, int64_t n, int64_t group_size, int bits,
-                   uint64_t seed, uint8_t* out, float* lo, float* scale, int device,
-                   void* stream) {
+                   uint64_t seed, bool zero_exact, uint8_t* out, float* lo, float* scale,
+                   int device, void* stream) {
   check_group_size(group_size);
+  check_zero_exact(zero_exact, bits);
   if (n <= 0) return;
   DeviceGuard guard(device);
-  dispatch<Quantize>(dtype, bits, x, n, group_size, quantize_key(seed), out, lo, scale,
-                     static_cast<cudaStream_t>(stream));
+  dispatch<Quantize>(dtype, bits, x, n, group_size, quantize_key(seed), zero_exact, out, lo,
+                     scale, static_cast<cudaStream_t>(stream));
   check(cudaGetLastError(), "quantize launch");
 }
 
 void dequantize_cuda(const uint8_t* data, const float* lo, const float* scale, int64_t n,
-                     int64_t group_size, int bits, uint64_t seed, int dtype, void* out,
-                     int device, void* stream) {
+                     int64_t group_size, int bits, uint64_t seed, bool zero_exact, int dtype,
+                     void* out, int device, void* stream) {
   check_group_size(group_size);
+  check_zero_exact(zero_exact, bits);
   if (n <= 0) return;
   DeviceGuard guard(device);
-  dispatch<Dequantize>(dtype, bits, data, lo, scale, n, group_size, dequantize_key(seed), out,
-                       static_cast<cudaStream_t>(stream));
+  dispatch<Dequantize>(dtype, bits, data, lo, scale, n, group_size, dequantize_key(seed),
+                       zero_exact, out, static_cast<cudaStream_t>(stream));
   check(cudaGetLastError(), "dequantize launch");
 }
 

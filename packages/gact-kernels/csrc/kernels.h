@@ -10,11 +10,14 @@ namespace gact {
 // x: n elements of dtype (0 fp32, 1 fp16, 2 bf16) in memory order; out: ceil(n*bits/8) bytes;
 // lo, scale: ceil(n/group_size) floats each. `seed` selects the rounding noise; dequantize
 // derives its own stream (fp16/bf16 outputs are rounded stochastically) from the same seed.
+// zero_exact (bits >= 2): groups whose minimum is zero use the sign-exact grid; dequantize
+// must be given the same flag.
 void quantize_cpu(const void* x, int dtype, int64_t n, int64_t group_size, int bits,
-                  uint64_t seed, uint8_t* out, float* lo, float* scale, int threads);
+                  uint64_t seed, bool zero_exact, uint8_t* out, float* lo, float* scale,
+                  int threads);
 void dequantize_cpu(const uint8_t* data, const float* lo, const float* scale, int64_t n,
-                    int64_t group_size, int bits, uint64_t seed, int dtype, void* out,
-                    int threads);
+                    int64_t group_size, int bits, uint64_t seed, bool zero_exact, int dtype,
+                    void* out, int threads);
 // in: n bytes (0/1); out: ceil(n/8) bytes. Returns true if an input byte was > 1.
 bool pack_mask_cpu(const uint8_t* in, int64_t n, uint8_t* out, int threads);
 void unpack_mask_cpu(const uint8_t* in, int64_t n, uint8_t* out, int threads);
@@ -33,11 +36,11 @@ void unpack_ints_cpu(const uint8_t* data, int64_t data_bytes, const int64_t* min
 
 // Same contracts on a CUDA device; `stream` is a cudaStream_t, launches are asynchronous.
 void quantize_cuda(const void* x, int dtype, int64_t n, int64_t group_size, int bits,
-                   uint64_t seed, uint8_t* out, float* lo, float* scale, int device,
-                   void* stream);
+                   uint64_t seed, bool zero_exact, uint8_t* out, float* lo, float* scale,
+                   int device, void* stream);
 void dequantize_cuda(const uint8_t* data, const float* lo, const float* scale, int64_t n,
-                     int64_t group_size, int bits, uint64_t seed, int dtype, void* out,
-                     int device, void* stream);
+                     int64_t group_size, int bits, uint64_t seed, bool zero_exact, int dtype,
+                     void* out, int device, void* stream);
 // Bytes > 1 are packed as 1 (no validation on the device: it would need a sync).
 void pack_mask_cuda(const uint8_t* in, int64_t n, uint8_t* out, int device, void* stream);
 void unpack_mask_cuda(const uint8_t* in, int64_t n, uint8_t* out, int device, void* stream);

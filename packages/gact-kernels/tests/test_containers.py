@@ -22,6 +22,12 @@ def _quantized() -> gact_kernels.QuantizedTensor:
     return gact_kernels.quantize(x, 3, group_size=64, seed=2**63 + 5)
 
 
+def _quantized_zero_exact() -> gact_kernels.QuantizedTensor:
+    x = torch.randn(3, 700).relu()
+    x[1, 5] = float("inf")
+    return gact_kernels.quantize(x, 2, group_size=64, seed=7, zero_exact=True)
+
+
 def _mask() -> gact_kernels.PackedMask:
     return gact_kernels.pack_mask(
         torch.rand(4, 8, 5, 5).to(memory_format=torch.channels_last) > 0.5
@@ -32,7 +38,12 @@ def _ints() -> gact_kernels.PackedInts:
     return gact_kernels.pack_ints(torch.randint(-(2**40), 2**40, (33, 17)).t())
 
 
-MAKERS = {"quantized": _quantized, "mask": _mask, "ints": _ints}
+MAKERS = {
+    "quantized": _quantized,
+    "quantized_zero_exact": _quantized_zero_exact,
+    "mask": _mask,
+    "ints": _ints,
+}
 
 
 @pytest.fixture(params=sorted(MAKERS))
@@ -120,6 +131,7 @@ def test_wrong_shape_is_rejected_not_a_segfault() -> None:
         ("bits", lambda q: 9, ValueError, r"QuantizedTensor\.bits must be one of 1, 2"),
         ("group_size", lambda q: 100, ValueError, r"QuantizedTensor\.group_size must be a mult"),
         ("seed", lambda q: -1, ValueError, r"QuantizedTensor\.seed must be an int in"),
+        ("zero_exact", lambda q: 1, TypeError, r"QuantizedTensor\.zero_exact must be a bool"),
         ("shape", lambda q: (10, 100), TypeError, r"QuantizedTensor\.shape must be a torch\.Size"),
         ("stride", lambda q: [100, 1], TypeError, r"QuantizedTensor\.stride must be a tuple of 2"),
         ("stride", lambda q: (1, 1), ValueError, r"does not lay shape \(10, 100\) out densely"),

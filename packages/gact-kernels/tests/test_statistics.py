@@ -170,3 +170,76 @@ def test_stochastic_rounding_never_overflows() -> None:
             out = round_stochastic(v.expand(2), h, dtype)
             assert out.tolist() == [fi.max, fi.max]
             assert (-out).tolist() == round_stochastic(-v.expand(2), h, dtype).tolist()
+
+
+def zero_minimum_groups(dtype: torch.dtype) -> torch.Tensor:
+    """Groups of GROUP elements, about half of them zeros (element 0 always), so that every
+    group's minimum is 0 and ``zero_exact=True`` gives it the sign-exact grid; in ``dtype``."""
+    fi = torch.finfo(dtype)
+    gen = torch.Generator().manual_seed(11)
+
+    def uniform(a: float, b: float) -> torch.Tensor:
+        return a + (b - a) * torch.rand(GROUP, generator=gen, dtype=torch.float64)
+
+    def steps(unit: float, count: int) -> torch.Tensor:
+        return unit * torch.randint(0, count, (GROUP,), generator=gen).double()
+
+    parts = [
+        uniform(0, 2),
+        torch.randn(GROUP, generator=gen, dtype=torch.float64).abs(),  # ReLU of N(0, 1)
+        512 + steps(fi.eps * 512, 9),  # the step is below the output grid
+        uniform(fi.max / 2, fi.max),  # levels can round past the largest finite value
+        uniform(0, 600 * fi.tiny),  # levels next to tiny (coded at every width)
+        uniform(0, 1e-3),
+        uniform(0, fi.tiny),  # all below tiny: lossless for fp32/bf16, a step of 0 for fp16
+    ]
+    x = torch.cat(parts).view(-1, GROUP)
+    zeros = torch.rand(x.shape, generator=gen) < 0.5
+    zeros[:, 0] = True
+    return x.masked_fill(zeros, 0.0).flatten().to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bits", range(2, 9))
+def test_zero_exact_round_trip_unbiased(bits: int, dtype: torch.dtype) -> None:
+    """``zero_exact=True``: zeros come back exactly 0, positives below tiny exactly tiny (a
+    bias in (0, tiny)), positives >= tiny unbiased in the output dtype; fp32 variance is
+    f (1 - f) step^2 with f the fractional part of (x - tiny) / step.
+
+    Same sampling as test_round_trip_unbiased_in_output_dtype (COPIES copies in one call,
+    Hoeffding with DELTA = 1e-9 per element): the false-alarm probability of all 21 cases is
+    below 1e-5. The variance sum's relative sampling error is a few 1e-3.
+    """
+    x = zero_minimum_groups(dtype)
+    n, tiny = x.numel(), torch.finfo(dtype).tiny
+    q = gact_kernels.quantize(
+        x.repeat(COPIES), bits, group_size=GROUP, seed=1000 * bits + 2, zero_exact=True
+    )
+    y = gact_kernels.dequantize(q).view(COPIES, n)
+    groups = n // GROUP
+    assert q.lo[:groups].view(torch.int32).eq(0).all()  # every minimum is +0
+    step = q.scale[:groups].double().repeat_interleave(GROUP)
+    lossless = torch.isnan(step)
+    assert bool((y[:, lossless] == x[lossless]).all())
+    assert bool((y[:, x == 0] == 0).all())
+    below = ~lossless & (x > 0) & (x < tiny)
+    assert bool((y[:, below] == tiny).all())
+    above = ~lossless & (x >= tiny)
+    assert int(above.sum()) > 5 * GROUP / 2
+    xd, mean = x.double(), y.double().mean(0)
+    fi = torch.finfo(dtype)
+    if dtype == torch.float32:
+        unit = torch.zeros_like(xd)
+    else:
+        top = (xd.abs() + step).clamp(min=fi.tiny)
+        unit = fi.eps * torch.exp2(torch.floor(torch.log2(top)))
+    spread = step + 2 * unit + 2 * float32_slack(x, dtype)
+    bound = spread * math.sqrt(math.log(2 / DELTA) / (2 * COPIES)) + float32_slack(x, dtype)
+    err = (mean - xd).abs()
+    worst = int(torch.argmax(torch.where(above, err - bound, -math.inf)))
+    assert bool((err[above] <= bound[above]).all()), (worst, float(xd[worst]), float(err[worst]))
+    if dtype == torch.float32:
+        v = (xd - tiny) / step
+        f = v - v.floor()
+        expected = (f * (1 - f) * step**2)[above].sum().item()
+        assert y.double().var(0)[above].sum().item() == pytest.approx(expected, rel=0.03)

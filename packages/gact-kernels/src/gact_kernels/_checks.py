@@ -17,6 +17,7 @@ __all__ = [
     "check_group_size",
     "check_seed",
     "check_tensor",
+    "check_zero_exact",
     "integer",
 ]
 
@@ -60,6 +61,19 @@ def check_bits(bits: object, name: str = "bits") -> int:
     if not 1 <= bits <= 8:
         raise ValueError(f"{name} must be one of 1, 2, 3, 4, 5, 6, 7, 8; got {bits}")
     return bits
+
+
+def check_zero_exact(zero_exact: object, bits: int, name: str = "zero_exact") -> bool:
+    """Returns ``zero_exact`` if it is a bool, and allowed with ``bits`` (True needs bits >= 2)."""
+    if not isinstance(zero_exact, bool):
+        raise TypeError(f"{name} must be a bool, got {type(zero_exact).__name__}")
+    if zero_exact and bits < 2:
+        raise ValueError(
+            f"{name}=True needs bits >= 2; got bits={bits}: with 1 bit the grid would have a "
+            f"single positive level (the smallest normal number), so positive values could not "
+            f"be rounded unbiasedly"
+        )
+    return zero_exact
 
 
 def check_group_size(group_size: object, name: str = "group_size") -> int:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._checks import check_bits, check_group_size, check_seed, check_tensor
+from ._checks import check_bits, check_group_size, check_seed, check_tensor, check_zero_exact
 from ._layout import empty_with_layout, flat_view, memory_order
 from .ints import INT_DTYPES, PackedInts
 from .quantize import FLOAT_DTYPES, QuantizedTensor
@@ -104,12 +104,23 @@ def _lossless(
     return groups, _grouped(flat, group_size)[groups]
 
 
+def _tiny(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The first positive level of the zero-exact grid, a float32 scalar tensor."""
+    return torch.tensor(torch.finfo(dtype).tiny, dtype=torch.float32, device=device)
+
+
 def reference_quantize(
-    x: torch.Tensor, bits: int, *, group_size: int = 256, seed: int = 0
+    x: torch.Tensor,
+    bits: int,
+    *,
+    group_size: int = 256,
+    seed: int = 0,
+    zero_exact: bool = False,
 ) -> QuantizedTensor:
     """Same contract and, on CPU, the same bytes as :func:`gact_kernels.quantize`."""
     check_tensor(x, "x", FLOAT_DTYPES)
     bits, group_size, seed = check_bits(bits), check_group_size(group_size), check_seed(seed)
+    zero_exact = check_zero_exact(zero_exact, bits)
     flat, stride = memory_order(x.detach())
     n = flat.numel()
     xf = flat.float()
@@ -120,10 +131,16 @@ def reference_quantize(
         mn = mx = xf.new_empty(0)
         bad = torch.zeros(0, dtype=torch.bool, device=x.device)
     lo = mn + 0.0  # maps -0 to +0
-    span = (mx + 0.0) - lo
+    hi = mx + 0.0
+    span = hi - lo
     levels = torch.full_like(span, float(2**bits - 1))
     scale = span / levels
     flagged = bad | ~torch.isfinite(span) | ((span > 0) & (scale < 2.0**-126))
+    # The zero-exact grid: groups not flagged whose lo is +0 (bit pattern 0).
+    exact = (lo.view(torch.int32) == 0) & ~flagged & zero_exact
+    tiny = _tiny(x.dtype, x.device)
+    step = (hi - tiny).clamp(min=0.0) / (levels - 1.0)
+    scale = torch.where(exact, step, scale)
     scale = torch.where(flagged, torch.full_like(span, float("nan")), scale)
     lo = torch.where(flagged, torch.zeros_like(lo), lo)
 
@@ -131,6 +148,12 @@ def reference_quantize(
     u = (hash32(seed, torch.arange(n, device=x.device)) >> 8).to(torch.float32) * 2.0**-24
     t = torch.minimum((xf - lo_e) / scale_e + u, levels[:1].expand(n))
     q = torch.where(scale_e > 0, t, torch.zeros_like(t)).to(torch.int64)  # truncation = floor
+    if zero_exact:
+        exact_e = _per_element(exact, group_size, n)
+        d = (xf - tiny).clamp(min=0.0)
+        divisor = torch.where(scale_e > 0, scale_e, torch.ones_like(scale_e))
+        k = torch.minimum(d / divisor + u, levels[:1].expand(n) - 1.0).to(torch.int64)
+        q = torch.where(exact_e, torch.where(xf > 0, k + 1, 0), q)
 
     chunks = F.pad(q, (0, -n % 8)).view(-1, 8)
     word = chunks[:, 0]
@@ -142,6 +165,7 @@ def reference_quantize(
     return QuantizedTensor(
         data, lo, scale, groups, values,
         bits=bits, group_size=group_size, seed=seed, shape=x.shape, stride=stride, dtype=x.dtype,
+        zero_exact=zero_exact,
     )  # fmt: skip
 
 
@@ -190,6 +214,12 @@ def reference_dequantize(q: QuantizedTensor) -> torch.Tensor:
     lo_e = _per_element(q.lo, q.group_size, n)
     scale_e = _per_element(q.scale, q.group_size, n)
     v = (lo_e + codes.to(torch.float32) * scale_e).clamp(-_FLOAT_MAX, _FLOAT_MAX)
+    if q.zero_exact:
+        exact_e = _per_element(q.lo.view(torch.int32) == 0, q.group_size, n)
+        tiny = _tiny(q.dtype, v.device)
+        v_exact = (tiny + (codes - 1).to(torch.float32) * scale_e).clamp(max=_FLOAT_MAX)
+        v_exact = torch.where(codes == 0, torch.zeros_like(v), v_exact)
+        v = torch.where(exact_e, v_exact, v)
     if q.dtype != torch.float32:
         h = hash32(q.seed, torch.arange(n, device=v.device), stream="dequantize")
         v = round_stochastic(v, h, q.dtype)
