@@ -181,7 +181,9 @@ def test_a_budget_too_small_for_one_bit_warns_and_uses_the_smallest_widths() -> 
         with pytest.warns(GactWarning, match="cannot hold"):
             ctl.iterate(closure)
         ctl.iterate(closure)
-    assert set(ctl.plan.bits.values()) == {1}
+    records = ctl.ledger.last
+    smallest = {k: 2 if records[k].zero_exact else 1 for k in ctl.plan.bits}  # 2: ReLU outputs
+    assert ctl.plan.bits == smallest and set(smallest.values()) == {1, 2}
 
 
 def test_memory_budget_needs_an_adaptive_level() -> None:
@@ -234,7 +236,8 @@ def test_report_shows_estimates_with_their_uncertainty() -> None:
     report = controller.report()
     quantized = [line for line in report.splitlines() if " quantized " in line]
     assert quantized and all("±" in line for line in quantized)
-    assert "+1m" in report  # the ReLU outputs carry their exact decision masks
+    # the ReLU outputs are on the zero-exact grid (no mask needed)
+    assert any(line.split()[4].endswith("z") for line in quantized)
     assert "sensitivity: the gradient variance" in report.splitlines()[-1]
 
 
@@ -254,3 +257,46 @@ def test_the_first_step_allocates_without_probes() -> None:
     numel = {k: controller.ledger.last[k].numel for k in bits}
     used = sum(n * (bits[k] + 0.25) for k, n in numel.items())
     assert used <= 4.0 * sum(numel.values())
+
+
+@pytest.mark.parametrize("sensitivity_method", ["prior", "pairwise"])
+def test_relu_outputs_get_at_least_2_bits_within_the_budget(sensitivity_method: str) -> None:
+    """A ReLU output is stored on the zero-exact grid from 2 bits on, without a mask; 1 bit
+    would need a mask and cost as much as 2 zero-exact bits, so the allocator's lower width for
+    it is 2, and what the step stores stays within L2.2's 2 bits per element."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.Tanh(),
+                          nn.Linear(512, 4))  # fmt: skip
+    x, y = torch.randn(256, 256), torch.randint(0, 4, (256,))
+    closure = make_closure(model, x, y)
+    gap = 100 if sensitivity_method == "prior" else 1
+    cfg = GactConfig.from_level("L2.2", min_numel=0, adapt_first_gap=gap, adapt_budget=10.0)
+    with Controller(model, cfg) as controller:
+        for _ in range(2):  # pairwise: the second step probes, then stores with new widths
+            controller.iterate(closure)
+    assert controller.stats()["adaptations"] == (0 if sensitivity_method == "prior" else 1)
+    records = controller.ledger.last
+    relu = [k for k, r in records.items() if r.zero_exact]
+    assert relu == ["1#0:float32:2d"]
+    assert controller.plan.bits[relu[0]] >= 2 and records[relu[0]].mask_bytes == 0
+    quantized = [r for r in records.values() if r.kind is Kind.QUANTIZED]
+    stored = sum(r.stored_bytes for r in quantized)
+    assert stored <= 2.0 * sum(r.numel for r in quantized) / 8 + 16 * len(quantized)
+
+
+def test_a_level_below_the_smallest_widths_warns_and_uses_them() -> None:
+    """L2.2 averages 2 bits with metadata; a model that saves only ReLU outputs needs 2.25
+    (2 zero-exact bits, or 1 bit and a mask). On main the first allocation raised
+    ``InfeasibleBudgetError`` out of ``iterate``; it now warns once and uses the smallest
+    widths."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                          nn.Linear(512, 4))  # fmt: skip
+    x, y = torch.randn(128, 64, requires_grad=True), torch.randint(0, 4, (128,))
+    closure = make_closure(model, x, y)
+    with Controller(model, GactConfig.from_level("L2.2", adapt_first_gap=100)) as controller:
+        with pytest.warns(GactWarning, match="level L2.2 averages 2.0 bits per element"):
+            controller.iterate(closure)
+        controller.iterate(closure)
+    relu = {k for k, r in controller.ledger.last.items() if r.zero_exact}
+    assert len(relu) == 2 and all(controller.plan.bits[k] == 2 for k in relu)

@@ -40,6 +40,9 @@ PURE_DECISIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "F.rrelu(eval)": lambda h: F.rrelu(h, training=False),
     "aten.relu": lambda h: torch.ops.aten.relu(h),
 }
+# ReLU saves its non-negative output, whose one decision (y > 0) the kernels' zero-exact grid
+# keeps exact without a mask; every other function above needs masks.
+RELU_OUTPUTS = {"F.relu", "torch.relu", "Tensor.relu", "relu_", "nn.ReLU(inplace)", "aten.relu"}
 
 
 class Head(nn.Module):
@@ -68,8 +71,13 @@ def test_decisions_are_exact(name: str, dtype: torch.dtype) -> None:
     exact = model.lin.bias.grad.clone()
     with Controller(model, GactConfig.from_level("L1.2", min_numel=0)) as controller:
         controller.iterate(closure)
-    assert controller.stats()["compressed_tensors"] > 0
-    assert controller.stats()["decision_mask_bytes"] > 0
+    stats = controller.stats()
+    assert stats["compressed_tensors"] > 0
+    if name in RELU_OUTPUTS:
+        assert stats["decision_mask_bytes"] == 0
+        assert any(r.zero_exact for r in controller.ledger.last.values()), name
+    else:
+        assert stats["decision_mask_bytes"] > 0
     # the bias gradient is the sum over the batch of c * f'(h): no value of h enters it
     assert torch.equal(model.lin.bias.grad, exact), name
 
@@ -144,6 +152,37 @@ def test_other_consumers_get_the_unbiased_values(monkeypatch: pytest.MonkeyPatch
     stored = gact_kernels.decompress(h.payload)
     assert torch.equal(model.g.grad, stored)
     assert not torch.equal(h.decision.project(stored.clone()), stored)  # the test can tell
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_a_relu_output_at_1_bit_takes_2_zero_exact_bits_instead_of_a_mask(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """Before the first allocation L2.2 stores tensors at 1 bit; a ReLU output then gets the
+    2-bit zero-exact grid, which costs what 1 bit plus a 1-bit mask would, with a quarter of
+    the variance, and keeps ``y > 0`` exact."""
+    torch.manual_seed(0)
+    model = Head(F.relu, dtype)
+    x = torch.randn(64, 16, dtype=dtype)
+    c = torch.randn(64, 256, dtype=dtype)
+
+    def closure() -> None:
+        model.zero_grad()
+        (model(x) * c).sum().backward()
+
+    closure()
+    exact = model.lin.bias.grad.clone()
+    controller = Controller(model, GactConfig.from_level("L2.2", min_numel=0))
+    saved: list[object] = []
+    pack = controller.hooks.pack_own
+    monkeypatch.setattr(controller.hooks, "pack_own", lambda t, **k: _keep(saved, pack(t, **k)))
+    with controller:
+        controller.iterate(closure)  # the first step: 1 bit for everything
+    assert torch.equal(model.lin.bias.grad, exact)
+    (relu,) = [s for s in saved if isinstance(s, SavedCompressed) and s.payload.zero_exact]
+    assert relu.payload.bits == 2 and relu.decision.masks == []  # ReluBackward: a consumer
+    (rec,) = [r for r in controller.ledger.last.values() if r.zero_exact]
+    assert (rec.bits, rec.mask_bits, rec.mask_bytes) == (2, 0, 0)
 
 
 def _keep(store: list[object], saved: object) -> object:

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-import os
-import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,17 +16,16 @@ from torch.nn.parallel import DistributedDataParallel
 WORLD = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _init(rank: int, store: str) -> None:
+    """Rendezvous through a file (a free TCP port can be taken by another process between its
+    discovery and the workers' bind: that made these tests flaky on busy machines)."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
 
 
-def _worker(rank: int, port: int, queue: mp.SimpleQueue, bucket_view: bool) -> None:
+def _worker(rank: int, store: str, queue: mp.SimpleQueue, bucket_view: bool) -> None:
     from gact import Controller, GactConfig
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    _init(rank, store)
     try:
         torch.manual_seed(0)  # same initial weights on every rank
         model = DistributedDataParallel(
@@ -70,11 +68,14 @@ def _worker(rank: int, port: int, queue: mp.SimpleQueue, bucket_view: bool) -> N
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 @pytest.mark.parametrize("bucket_view", [False, True])
-def test_ddp_ranks_agree_on_bits_and_weights(bucket_view: bool) -> None:
+def test_ddp_ranks_agree_on_bits_and_weights(bucket_view: bool, tmp_path: Path) -> None:
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     mp.start_processes(
-        _worker, args=(_free_port(), queue, bucket_view), nprocs=WORLD, start_method="spawn"
+        _worker,
+        args=(str(tmp_path / "store"), queue, bucket_view),
+        nprocs=WORLD,
+        start_method="spawn",
     )
     results = sorted(queue.get() for _ in range(WORLD))
     (_, bits0, params0, kept0), (_, bits1, params1, kept1) = results
@@ -83,13 +84,12 @@ def test_ddp_ranks_agree_on_bits_and_weights(bucket_view: bool) -> None:
     assert kept0 and kept1  # probes did not overwrite the real step's (bucket-view) gradients
 
 
-def _fsdp_worker(rank: int, port: int, queue: mp.SimpleQueue) -> None:
+def _fsdp_worker(rank: int, store: str, queue: mp.SimpleQueue) -> None:
     from gact import Controller, GactConfig
     from gact.ledger import Kind
     from torch.distributed.fsdp import fully_shard
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    _init(rank, store)
     try:
         torch.manual_seed(0)
         model = nn.Sequential(
@@ -131,10 +131,12 @@ def _fsdp_worker(rank: int, port: int, queue: mp.SimpleQueue) -> None:
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
-def test_fsdp_ranks_agree_on_bits_and_weights() -> None:
+def test_fsdp_ranks_agree_on_bits_and_weights(tmp_path: Path) -> None:
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.start_processes(_fsdp_worker, args=(_free_port(), queue), nprocs=WORLD, start_method="spawn")
+    mp.start_processes(
+        _fsdp_worker, args=(str(tmp_path / "store"), queue), nprocs=WORLD, start_method="spawn"
+    )
     results = sorted(queue.get() for _ in range(WORLD))
     (_, bits0, params0, saw0, clean0), (_, bits1, params1, saw1, clean1) = results
     assert bits0 and bits0 == bits1  # same sketch sums, same estimates, same widths

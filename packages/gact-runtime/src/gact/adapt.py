@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 import warnings
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ class Items:
         numel: elements per item (summed over the step's saves at that key).
         full_bits: width of the item's dtype (its cost when kept at full precision).
         overhead_bits: metadata plus exact decision masks per element of a quantized item.
+        lower: the smallest width of each item: 2 on the zero-exact grid (NOTE [Exact
+            decisions] in decisions.py), else 1.
         fixed_bytes: bytes the step stores outside the items (kept tensors, masks, packs).
     """
 
@@ -41,12 +44,13 @@ class Items:
     numel: np.ndarray
     full_bits: np.ndarray
     overhead_bits: np.ndarray
+    lower: np.ndarray
     fixed_bytes: int
 
     @classmethod
     def of(cls, sites: dict[str, SiteRecord], metadata_bits: float) -> Items:
         rows = [
-            (r.key, r.numel, torch.finfo(r.dtype).bits, r.mask_bits)
+            (r.key, r.numel, torch.finfo(r.dtype).bits, r.mask_bits, 2 if r.zero_exact else 1)
             for r in sites.values()
             if _quantizable(r)
         ]
@@ -61,6 +65,7 @@ class Items:
             numel=np.array([row[1] for row in rows], dtype=np.int64),
             full_bits=np.array([row[2] for row in rows], dtype=np.int64),
             overhead_bits=metadata_bits + np.array([row[3] for row in rows], dtype=np.float64),
+            lower=np.array([row[4] for row in rows], dtype=np.int64),
             fixed_bytes=fixed,
         )
 
@@ -168,6 +173,7 @@ class Adapter:
         probe_bits = np.array(
             [min(plan.bits.get(k, plan.default_bits), 8) for k in items.keys], dtype=np.int64
         )
+        probe_bits = np.maximum(probe_bits, items.lower)
         seed = mix_seed(cfg.seed, plan.step)
         with ProbeSession(
             self._model, plan, self._hooks, closure, run_closure, items.keys, seed=seed
@@ -182,27 +188,40 @@ class Adapter:
         """Widths minimising the predicted variance within the level's average or the
         configuration's ``memory_budget`` (bytes, everything the step stores counted)."""
         cfg = self._plan.config
-        costs = dict(full_bits=items.full_bits, overhead_bits=items.overhead_bits)
+        costs = dict(
+            full_bits=items.full_bits, overhead_bits=items.overhead_bits, lower=items.lower
+        )
+        least = gact_policy.min_storage_bits(items.numel, **costs)
         if cfg.memory_budget is None:
             assert cfg.avg_bits is not None
-            return gact_policy.allocate_bits(sensitivity, items.numel, cfg.avg_bits, **costs)
-        # 16 bytes per item cover the rounding up of the last group's metadata and of the
-        # decision masks to whole bytes, which the per-element costs leave out
-        budget = cfg.memory_budget - items.fixed_bytes - 16 * len(items.keys)
-        if 8 * budget < gact_policy.min_storage_bits(items.numel, **costs):
-            if not self._warned_budget:
-                self._warned_budget = True
-                warnings.warn(
-                    f"memory_budget={cfg.memory_budget} bytes cannot hold the step's saved "
-                    f"tensors even at 1 bit each (the tensors that cannot be quantized alone "
-                    f"take {items.fixed_bytes} bytes); using 1 bit for every tensor",
-                    GactWarning,
-                    stacklevel=4,
+            if least <= math.floor(cfg.avg_bits * int(items.numel.sum())):
+                return gact_policy.allocate_bits(sensitivity, items.numel, cfg.avg_bits, **costs)
+            problem = (
+                f"level {cfg.level} averages {cfg.avg_bits} bits per element, but the smallest "
+                f"widths of this model's saved tensors need {least / items.numel.sum():.3g}"
+            )
+        else:
+            # 16 bytes per item cover the rounding up of the last group's metadata and of the
+            # decision masks to whole bytes, which the per-element costs leave out
+            budget = cfg.memory_budget - items.fixed_bytes - 16 * len(items.keys)
+            if least <= 8 * budget:
+                return gact_policy.allocate_bits(
+                    sensitivity, items.numel, None, budget_bytes=budget, **costs
                 )
-            return np.ones(len(items.keys), dtype=np.int64)
-        return gact_policy.allocate_bits(
-            sensitivity, items.numel, None, budget_bytes=budget, **costs
-        )
+            problem = (
+                f"memory_budget={cfg.memory_budget} bytes cannot hold the step's saved tensors "
+                f"even at their smallest widths (the tensors that cannot be quantized alone take "
+                f"{items.fixed_bytes} bytes)"
+            )
+        if not self._warned_budget:
+            self._warned_budget = True
+            warnings.warn(
+                f"{problem}; using the smallest widths (1 bit, 2 for ReLU outputs, plus metadata "
+                "and exact decision masks). Choose a level with more bits or a larger budget.",
+                GactWarning,
+                stacklevel=4,
+            )
+        return items.lower.copy()
 
     def _estimate(
         self, grad: Callable[[Any], np.ndarray], bits: np.ndarray

@@ -61,6 +61,7 @@ class SiteRecord:
     stored_bytes: int = 0
     mask_bits: int = 0  # exact decision masks per element (NOTE [Exact decisions])
     mask_bytes: int = 0
+    zero_exact: bool = False  # on gact-kernels' zero-exact grid (NOTE [Exact decisions])
 
 
 @dataclass
@@ -79,6 +80,8 @@ class Ledger:
         kind: Kind,
         bits: int | None,
         stored_bytes: int,
+        *,
+        zero_exact: bool = False,
     ) -> None:
         rec = self.current.get(key)
         if rec is None or rec.kind is not kind or rec.bits != bits:
@@ -90,6 +93,7 @@ class Ledger:
                 rec.mask_bits, rec.mask_bytes = prior.mask_bits, prior.mask_bytes
             self.current[key] = rec
         rec.shape = tuple(tensor.shape)
+        rec.zero_exact = zero_exact
         rec.count += 1
         rec.numel += tensor.numel()
         rec.original_bytes += occupied_bytes(tensor)
@@ -180,7 +184,9 @@ class Ledger:
             f"{st['skipped_tensors']} kept, {st['outside_tensors']} outside the model)"
         )
         lines.append(
-            "bits: code bits per element (+m: exact decision masks, 1 bit each); sensitivity: "
+            "bits: code bits per element (z: zero-exact grid, a ReLU output's zeros stay 0 and "
+            "its positives positive, no mask needed; +m: exact decision masks, 1 bit each); "
+            "sensitivity: "
             "the gradient variance a tensor adds per unit of S(b) = 1/(2^b-1)^2, smoothed over "
             "adaptations, ± one standard error of the last estimate; bytes: as autograd would "
             "hold it; stored: what GACT holds (metadata and masks included)"
@@ -191,7 +197,8 @@ class Ledger:
 def _bits_cell(rec: SiteRecord) -> str:
     if rec.bits is None:
         return "-"
-    return f"{rec.bits}+{rec.mask_bits}m" if rec.mask_bits else str(rec.bits)
+    cell = f"{rec.bits}z" if rec.zero_exact else str(rec.bits)
+    return f"{cell}+{rec.mask_bits}m" if rec.mask_bits else cell
 
 
 def _sensitivity_cell(value: float | None, stderr: float | None) -> str:

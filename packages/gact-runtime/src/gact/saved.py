@@ -138,21 +138,31 @@ class SavedCompressed(Saved):
         self.payload = payload if self.ticket is None else None
 
     @property
+    def held(self) -> gact_kernels.Compressed:
+        """The payload, wherever it waits (here or swapped out)."""
+        return self.payload if self.ticket is None else self.ticket.payload
+
+    @property
     def nbytes(self) -> int:
         """Bytes held: the payload (wherever it waits) and the decision masks."""
-        payload = self.payload if self.ticket is None else self.ticket.payload
-        return payload.nbytes + (0 if self.decision is None else self.decision.nbytes)
+        return self.held.nbytes + (0 if self.decision is None else self.decision.nbytes)
 
     def decide(self, tensor: torch.Tensor, spec: DecisionSpec) -> int:
         """Record the exact outcomes of ``spec``'s comparisons; returns the bytes added."""
+        held = self.held
+        # the zero-exact grid decides y > 0 exactly (NOTE [Exact decisions])
+        skip = (
+            (True, 0.0)
+            if isinstance(held, gact_kernels.QuantizedTensor) and held.zero_exact
+            else None
+        )
         if self.decision is None:
-            self.decision = Decision(tensor, spec)
+            self.decision = Decision(tensor, spec, skip=skip)
             return self.decision.nbytes
-        return self.decision.extend(tensor, spec)
+        return self.decision.extend(tensor, spec, skip=skip)
 
     def _describe(self) -> str:
-        p = self.payload if self.ticket is None else self.ticket.payload
-        return _describe(p.dtype, self.witness.device, p.shape)
+        return _describe(self.held.dtype, self.witness.device, self.held.shape)
 
     def unpack(self) -> torch.Tensor:
         self._check(self.witness)
@@ -344,6 +354,7 @@ class SaveHooks:
     def _compress(self, key: str, tensor: torch.Tensor, spec: DecisionSpec | None) -> Saved:
         group_size = self.plan.config.group_size
         compact = _compact(tensor)
+        zero_exact = False
         with torch.no_grad():
             data = (tensor if compact is None else compact).detach()
             if tensor.dtype is torch.bool:
@@ -355,14 +366,19 @@ class SaveHooks:
             else:
                 bits = self.plan.bits_for(key)
                 assert bits is not None
+                zero_exact = spec is not None and spec.zero_exact
+                if zero_exact:  # 2 zero-exact bits, not 1 bit and a mask (NOTE [Exact decisions])
+                    bits = max(bits, 2)
                 seed = self.plan.seed_for(key, self.ledger.occurrences(key))
-                payload = gact_kernels.quantize(data, bits, group_size=group_size, seed=seed)
+                payload = gact_kernels.quantize(
+                    data, bits, group_size=group_size, seed=seed, zero_exact=zero_exact
+                )
                 kind = Kind.QUANTIZED
         saved = SavedCompressed(tensor, key, payload, self)
         if compact is not None:
             saved.expand_to = tensor.shape
         self.live.add(tensor, saved, self.tracker.generation)
-        self.ledger.record(key, tensor, kind, bits, payload.nbytes)
+        self.ledger.record(key, tensor, kind, bits, payload.nbytes, zero_exact=zero_exact)
         if spec is not None and kind is Kind.QUANTIZED:
             self._decide(saved, tensor, spec)
         return saved
