@@ -17,13 +17,14 @@ from typing import Any
 
 from ..levels import BASELINE, level_label
 from ..runs import fmt_mean_std, mean_std
-from .specs import TARGETS, Example, Plan, command_template
+from .specs import ADAPTIVE_PAIRS, TARGETS, Example, Plan, command_template
 
 __all__ = [
     "BEGIN",
     "END",
     "Check",
     "activation_table",
+    "adaptive_table",
     "max_batch_table",
     "memory_table",
     "metric_table",
@@ -99,6 +100,58 @@ def metric_table(plan: Plan, results: dict[str, Any]) -> tuple[list[str], list[C
             target = f"(none; {target} for reference)"
         lines.append(_row([*cells, gap_text, target, met]))
     return [*lines, ""], checks
+
+
+def adaptive_table(plan: Plan, results: dict[str, Any]) -> tuple[list[str], list[Check]]:
+    """Each adaptive level against the uniform level of its budget (``ADAPTIVE_PAIRS``), and
+    the adaptation cost of the adaptive levels against ``TARGETS["adaptation_cost"]``."""
+    pairs = [(a, u) for a, u in ADAPTIVE_PAIRS if a in plan.levels and u in plan.levels]
+    if not pairs:
+        return [], []
+    lines = ["### Adaptive against uniform bits, and what adapting costs\n"]
+    cols = ["example"]
+    for a, u in pairs:
+        cols += [f"{a} − {u}", "met"]
+    cols += [f"{a}: adaptations, cost" for a, _ in pairs]
+    lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    checks = []
+    budget = TARGETS["adaptation_cost"]
+    for ex in plan.examples:
+        runs, metric = _runs(results, "train", ex), ex.metric
+        cells = [ex.title]
+        for a, u in pairs:
+            ma, sa, na = _stat(runs.get(a, []), "final_metric", metric.scale)
+            mu, su, nu = _stat(runs.get(u, []), "final_metric", metric.scale)
+            # seed noise: one standard error of the difference of the two means
+            se = math.sqrt(sa**2 / na + su**2 / nu) if na and nu else math.nan
+            gap = metric.gap(mu, ma)
+            se_gap = metric.gap(mu, mu + se) if metric.higher_is_better else se / mu * 100
+            ok = not math.isnan(gap) and metric.meets(gap, abs(se_gap))
+            text = f"{gap:+.2f} ± {abs(se_gap):.2f} {metric.gap_unit}"
+            cells += [text, _yes_no(ok)]
+            checks.append(Check(f"{ex.title}: {a} no worse than {u}", text, "≥ −1 SE", _yes_no(ok)))
+        for a, _ in pairs:
+            recs = runs.get(a, [])
+            count = _stat(recs, "adaptations")[0]
+            cost = _stat(recs, "adaptation_overhead", 100.0)[0]
+            if math.isnan(cost):
+                cells.append("n/a")
+                continue
+            cells.append(f"{count:.1f}, {cost:.1f} %")
+            met = _yes_no(cost <= budget)
+            checks.append(Check(f"{ex.title}: {a} adaptation cost", f"{cost:.1f} %",
+                                f"≤ {budget:g} %", met))  # fmt: skip
+        lines.append(_row(cells))
+    lines.append(
+        "\nThe adaptive level's mean against the uniform level's, in the units of the fp32 gap "
+        "(accuracy points: positive is better; % of the validation loss: negative is better), ± "
+        "one standard error of the difference of the means over seeds; met when the adaptive "
+        "level is no worse than the uniform one by more than that. L2 and L1 spend 4 bits per element, "
+        "L2.2 and L1.2 2 bits (the adaptive levels count metadata and masks inside that budget, "
+        "the uniform ones on top of it). Cost: mean number of adaptations per run and the time "
+        "spent adapting over the time spent training (`stats()['adaptation_overhead']`).\n"
+    )
+    return lines, checks
 
 
 def activation_table(plan: Plan, results: dict[str, Any]) -> tuple[list[str], list[Check]]:
@@ -296,17 +349,20 @@ def _intro(plan: Plan, results: dict[str, Any], machine: dict[str, Any]) -> list
 def render(plan: Plan, results: dict[str, Any], machine: dict[str, Any]) -> str:
     """The whole examples section, between :data:`BEGIN` and :data:`END`."""
     metric_lines, metric_checks = metric_table(plan, results)
+    adaptive_lines, adaptive_checks = adaptive_table(plan, results)
     activation_lines, activation_checks = activation_table(plan, results)
     memory_lines, memory_checks = memory_table(plan, results)
+    checks = [*metric_checks, *adaptive_checks, *activation_checks, *memory_checks]
     lines = [
         BEGIN,
         *_intro(plan, results, machine),
         *metric_lines,
+        *adaptive_lines,
         *activation_lines,
         *speed_table(plan, results),
         *memory_lines,
         *max_batch_table(plan, results),
-        *_targets_table([*metric_checks, *activation_checks, *memory_checks]),
+        *_targets_table(checks),
         *_commands(plan),
         END,
     ]
