@@ -1,7 +1,8 @@
 """Every model family at every level: trains, keeps L1.1 gradients close to fp32, compresses
 about 8x at L2, and never compresses a parameter.
 
-Set ``GACT_MATRIX_JSON`` to a file path to record each family's L2 saved-activation ratio there.
+Set ``GACT_MATRIX_JSON`` to a file path to record each family's L2 saved-activation ratio and L1.1
+gradient cosine there (BENCHMARKS.md's model-family table).
 """
 
 from __future__ import annotations
@@ -34,13 +35,16 @@ def _flat_grad(model: torch.nn.Module) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def ratios() -> Iterator[dict[str, float]]:
-    """Collects the L2 ratio of each family; written to $GACT_MATRIX_JSON at the end."""
-    found: dict[str, float] = {}
+def figures() -> Iterator[dict[str, dict[str, float]]]:
+    """Collects each family's figures; written to $GACT_MATRIX_JSON at the end."""
+    found: dict[str, dict[str, float]] = {
+        "l2_saved_activation_ratio": {},
+        "l11_gradient_cosine": {},
+    }
     yield found
     path = os.environ.get("GACT_MATRIX_JSON")
-    if path and found:
-        Path(path).write_text(json.dumps({"l2_saved_activation_ratio": found}, indent=2) + "\n")
+    if path and any(found.values()):
+        Path(path).write_text(json.dumps(found, indent=2) + "\n")
 
 
 @pytest.mark.parametrize("level", list(LEVELS))
@@ -89,7 +93,7 @@ def test_trains_without_compressing_parameters(
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
-def test_l11_gradient_close_to_fp32(name: str) -> None:
+def test_l11_gradient_close_to_fp32(name: str, figures: dict[str, dict[str, float]]) -> None:
     torch.manual_seed(0)
     model, loss_fn = _family(name).build()
     torch.manual_seed(1)  # the same dropout masks in both backwards
@@ -100,12 +104,13 @@ def test_l11_gradient_close_to_fp32(name: str) -> None:
         torch.manual_seed(1)
         loss_fn().backward()
     assert controller.stats()["compressed_tensors"] > 0
-    cosine = torch.nn.functional.cosine_similarity(_flat_grad(model), reference, dim=0)
-    assert float(cosine) >= L11_COSINE
+    cosine = float(torch.nn.functional.cosine_similarity(_flat_grad(model), reference, dim=0))
+    figures["l11_gradient_cosine"][name] = round(cosine, 5)
+    assert cosine >= L11_COSINE
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
-def test_l2_saved_activation_ratio(name: str, ratios: dict[str, float]) -> None:
+def test_l2_saved_activation_ratio(name: str, figures: dict[str, dict[str, float]]) -> None:
     torch.manual_seed(0)
     model, loss_fn = _family(name).build()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -122,6 +127,6 @@ def test_l2_saved_activation_ratio(name: str, ratios: dict[str, float]) -> None:
             controller.iterate(closure)
             optimizer.step()
     ratio = controller.stats()["ratio"]
-    ratios[name] = round(ratio, 3)
+    figures["l2_saved_activation_ratio"][name] = round(ratio, 3)
     print(f"{name}: L2 saved-activation ratio {ratio:.2f}x")
     assert ratio >= L2_RATIO, controller.report()
