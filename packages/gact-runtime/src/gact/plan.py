@@ -1,13 +1,4 @@
-"""Which bit width and which random seed each saved tensor gets.
-
-# NOTE [Seeds]
-# Every quantization call gets its own seed, mixed (splitmix64) from the configuration's base
-# seed, the step number, a stable 64-bit hash of the save-site key and the occurrence of that key
-# within the step. The original's ``tid + iter`` collided across tensors and steps; a mixed seed
-# does not, and it is reproducible across processes (the key hash is blake2b, not ``hash()``).
-# While sensitivities are probed, the seeds come from the probe's configuration instead, so two
-# probes differ only in the items whose seeds the estimator changed.
-"""
+"""Which bit width and which random seed each saved tensor gets."""
 
 from __future__ import annotations
 
@@ -25,6 +16,13 @@ _MASK64 = (1 << 64) - 1
 MAX_BITS = 8
 
 
+# NOTE [Seeds]
+# Every quantization call gets its own seed, mixed (splitmix64) from the configuration's base
+# seed, the step number, a stable 64-bit hash of the save-site key and the occurrence of that key
+# within the step. The original's ``tid + iter`` collided across tensors and steps; a mixed seed
+# does not, and it is reproducible across processes (the key hash is blake2b, not ``hash()``).
+# While sensitivities are probed, the seeds come from the probe's configuration instead, so two
+# probes differ only in the items whose seeds the estimator changed.
 def mix_seed(*parts: int) -> int:
     """Fold integers into one 64-bit seed with the splitmix64 finaliser."""
     h = 0x9E3779B97F4A7C15
