@@ -318,18 +318,19 @@ def pairwise_sensitivity(
     evaluate = _Gradients(grad)
     with np.errstate(invalid="ignore", over="ignore"):  # non-finite estimates are capped
         g0 = evaluate(base)
-        diffs = []
+        # The K differences fill one preallocated K x D matrix, squared in place for the
+        # standard errors: memory K·D once. All pairwise inner products come at once from its
+        # K x K Gram matrix, never from the O(L·D) of gathering one row pair per item (GBs for
+        # a transformer's gradient).
+        e = np.empty((k, g0.size))
         for j in range(k):
             items, side = np.nonzero(pairs == j)
-            diffs.append(g0 - evaluate(base.reseeded(items, fresh[items, side])))
-        e = np.stack(diffs)
-        # All pairwise inner products at once from the K x K Gram matrix: memory O(K·D), never
-        # the O(L·D) of gathering one row pair per item (GBs for a transformer's gradient).
+            np.subtract(g0, evaluate(base.reseeded(items, fresh[items, side])), out=e[j])
         gram = e @ e.T
         inner = gram[pairs[:, 0], pairs[:, 1]]
         value = _cap(inner / variance_factor(b), cap)
         if not stderr:
             return value
-        squares = e * e
-        spread = (squares @ squares.T)[pairs[:, 0], pairs[:, 1]]
+        np.square(e, out=e)
+        spread = (e @ e.T)[pairs[:, 0], pairs[:, 1]]
         return SensitivityEstimate(value, _cap(np.sqrt(spread) / variance_factor(b), cap))
