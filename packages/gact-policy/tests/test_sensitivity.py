@@ -124,6 +124,7 @@ def test_pairwise_holds_the_probe_differences_once(stderr: bool) -> None:
     def grad(cfg: ProbeConfig) -> np.ndarray:
         return sum(np.random.default_rng(int(s)).normal(size=dim) for s in cfg.seeds[:2])
 
+    pairwise_sensitivity(grad, [2] * items, stderr=stderr)  # one-time allocations (numpy, BLAS)
     tracemalloc.start()
     try:
         pairwise_sensitivity(grad, [2] * items, stderr=stderr)
