@@ -152,7 +152,7 @@ def estimates(session: ProbeSession, bits: np.ndarray, seed: int) -> dict[str, l
 
     k = gact_policy.min_pair_probes(bits.size)
     runs = session.runs
-    pairwise = gact_policy.pairwise_sensitivity(grad, bits, num_probes=k, seed=seed)
+    pairwise = gact_policy.pairwise_sensitivity(grad, bits, num_probes=k, seed=seed, stderr=True)
     pair_runs = session.runs - runs
     reference = gact_policy.probe_sensitivity(grad, bits, seed=seed + 1)
     ref_runs = session.runs - runs - pair_runs
@@ -160,7 +160,8 @@ def estimates(session: ProbeSession, bits: np.ndarray, seed: int) -> dict[str, l
         f"{w}": pairwise_vs_exact(grad, np.full_like(bits, w), k, seed + 2).tolist() for w in (2, 4)
     }
     return {
-        "pairwise": pairwise.tolist(),
+        "pairwise": pairwise.value.tolist(),
+        "pairwise_stderr": pairwise.stderr.tolist(),
         "reference": reference.tolist(),
         "pairwise_exact": exact_pairs,
         "pairwise_probes": pair_runs,
@@ -232,6 +233,12 @@ def _c(rec: dict[str, Any], width: int, what: str = "mse") -> np.ndarray:
     )
 
 
+def _floored(rec: dict[str, Any]) -> np.ndarray:
+    """The pairwise estimates as the runtime uses them: at least one standard error."""
+    est = rec["estimates"]
+    return np.maximum(est["pairwise"], est.get("pairwise_stderr", 0.0))
+
+
 def true_mse(rec: dict[str, Any], bits: np.ndarray) -> float:
     """True extra squared error of an allocation, from the per-item truth at the nearest
     measured width (2, 4 or 8), scaled by S(b) between measured widths."""
@@ -251,7 +258,8 @@ def report(paths: list[str], plot_path: str | None) -> str:
     lines = ["| model | step | items | pairwise: probes, rank corr. | reference: probes, "
              "rank corr. | bias^2 / variance at 2, 4, 8 bits |", "|---|---|---|---|---|---|"]  # fmt: skip
     kinds: dict[tuple[str, int], list[float]] = {}
-    alloc_rows = []
+    alloc_rows: list[str] = []
+    item_rows: list[str] = []
     data = [json.loads(Path(p).read_text()) for p in paths]
     for d in data:
         recs = d["records"]
@@ -283,13 +291,14 @@ def report(paths: list[str], plot_path: str | None) -> str:
             "uniform 3 bits": np.full(n.size, 3),
             "uniform 4 bits (L1, 6% more memory)": np.full(n.size, 4),
             "prior (equal sensitivities)": alloc(np.ones(n.size)),
-            "probed at step 0 (pairwise)": alloc(recs[0]["estimates"]["pairwise"]),
+            "probed at step 0 (pairwise, as the runtime)": alloc(_floored(recs[0])),
             "probed at step 0 (true)": alloc(_c(recs[0], 4)),
-            f"probed at step {late['step']} (pairwise)": alloc(late["estimates"]["pairwise"]),
+            f"probed at step {late['step']} (pairwise, as the runtime)": alloc(_floored(late)),
             f"optimal at step {late['step']} (true)": alloc(_c(late, 4)),
         }
         for name, bits in candidates.items():
             alloc_rows.append(f"| {d['model']} | {name} | {true_mse(late, bits):.3g} |")
+        item_rows += per_item_rows(d["model"], recs, candidates)
     lines += ["", "| op that reads the tensor | bias^2 / variance at 2 bits | at 4 bits | at 8 bits |",
               "|---|---|---|---|"]  # fmt: skip
     for node in sorted({k for k, _ in kinds}):
@@ -297,9 +306,31 @@ def report(paths: list[str], plot_path: str | None) -> str:
         lines.append(f"| {node} | " + " | ".join(f"{m:.3g}" for m in med) + " |")
     lines += ["", "| model | allocation (L2 budget unless noted) | true extra squared error at "
               "the last step |", "|---|---|---|", *alloc_rows]  # fmt: skip
+    steps = "/".join(str(r["step"]) for r in data[0]["records"])
+    lines += ["", f"| model | tensor | read by | elements | true c at steps {steps} | "
+              "pairwise, reference at the last step | bits: prior, probed at 0, probed last, "
+              "optimal |", "|---|---|---|---|---|---|---|", *item_rows]  # fmt: skip
     if plot_path:
         _plot(data, plot_path)
     return "\n".join(lines)
+
+
+def per_item_rows(model: str, recs: list[dict[str, Any]], bits: dict[str, np.ndarray]) -> list[str]:
+    """One row per item: its true sensitivity at every measured step, the two estimates at the
+    last step and the width each allocation gives it (``bits``: the candidates of ``report``)."""
+    late, names = recs[-1], list(bits)
+    picks = [names[2], names[3], names[5], names[6]]  # prior, probed at 0 and last, optimal
+    rows = []
+    for i, key in enumerate(late["keys"]):
+        truth = "/".join(f"{_c(r, 4)[i]:.2g}" for r in recs)
+        est = late["estimates"]
+        nodes = ", ".join(late["consumers"][i]) or "-"
+        widths = ", ".join(str(int(bits[n][i])) if bits[n][i] <= 8 else "32" for n in picks)
+        rows.append(
+            f"| {model} | `{key}` | {nodes} | {late['numel'][i]:,} | {truth} | "
+            f"{est['pairwise'][i]:.2g}, {est['reference'][i]:.2g} | {widths} |"
+        )
+    return rows
 
 
 def _plot(data: list[dict[str, Any]], path: str) -> None:

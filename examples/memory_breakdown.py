@@ -24,12 +24,15 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from gact import Controller, GactConfig
+from gact import LEVELS, Controller, GactConfig
 from gact_examples.data import load_char_corpus, load_mnist
 from gact_examples.memory import tune_malloc_for_measurement
 from gact_examples.models import CharGPT, ResNetSmall
 
 PHASES = ("forward", "backward", "adaptation", "optimizer")
+# A forward under ``torch.no_grad()`` before training: the eager working set (inputs, outputs and
+# temporaries of the running ops) with nothing saved, the floor under any training peak.
+REFERENCE = "no-grad forward"
 
 
 class Sampler(threading.Thread):
@@ -92,8 +95,9 @@ def measure(task: str, level: str, args: argparse.Namespace) -> dict[str, Any]:
         run = lambda m: m  # noqa: E731
     model, loss_fn, optimizer = TASKS[task](args.data, device, run)
     sampler = Sampler(device, args.interval)
-    controller = Controller(model, GactConfig.from_level(level))
-    controller.hooks.probing = False
+    # adaptive levels probe from step 1 on, so that the timeline shows an adaptation's peak
+    options = dict(adapt_first_gap=1, adapt_budget=1e9) if LEVELS[level].adaptive else {}
+    controller = Controller(model, GactConfig.from_level(level, **options))
 
     warmup = [args.compile is not None]  # the first compiled step compiles: not measured
 
@@ -108,6 +112,10 @@ def measure(task: str, level: str, args: argparse.Namespace) -> dict[str, Any]:
 
     baseline = sampler.read()
     sampler.start()
+    if not args.compile:
+        sampler.phase = REFERENCE
+        with torch.no_grad():
+            loss_fn()
     with controller:
         for _ in range(args.steps):
             controller.iterate(closure)
@@ -119,14 +127,14 @@ def measure(task: str, level: str, args: argparse.Namespace) -> dict[str, Any]:
     st = controller.stats()
     peaks = {
         phase: max((m for _, p, m in sampler.samples if p == phase), default=baseline) - baseline
-        for phase in PHASES
+        for phase in (*PHASES, REFERENCE)
     }
     return {
         "task": task if not args.compile else f"{task} (compile: {args.compile})",
         "level": level,
         "baseline_bytes": baseline,
         "peak_by_phase": peaks,
-        "peak_bytes": max(peaks.values()),
+        "peak_bytes": max(peaks[p] for p in PHASES),
         "saved_bytes": st["original_bytes"],
         "stored_bytes": st["stored_bytes"],
         "samples": sampler.samples,
@@ -138,8 +146,8 @@ def table(records: list[dict[str, Any]]) -> str:
     lines = [
         "| task | level | saved activations | stored | "
         + " | ".join(f"peak in {p}" for p in PHASES)
-        + " | peak | fp32 / level |",
-        "|---" * (6 + len(PHASES)) + "|",
+        + f" | peak | fp32 / level | {REFERENCE} + stored |",
+        "|---" * (7 + len(PHASES)) + "|",
     ]
     fp32 = {r["task"]: r["peak_bytes"] for r in records if r["level"] == "L0"}
     for r in records:
@@ -148,7 +156,8 @@ def table(records: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['task']} | {r['level']} | {r['saved_bytes'] / mib:.0f} MiB | "
             f"{r['stored_bytes'] / mib:.0f} MiB | " + " | ".join(cells)
-            + f" | {r['peak_bytes'] / mib:.0f} MiB | {ratio:.2f}x |"
+            + f" | {r['peak_bytes'] / mib:.0f} MiB | {ratio:.2f}x | "
+            f"{(r['peak_by_phase'][REFERENCE] + r['stored_bytes']) / mib:.0f} MiB |"
         )  # fmt: skip
     return "\n".join(lines)
 
@@ -170,14 +179,21 @@ def plot(records: list[dict[str, Any]], out: Path) -> None:
             ax.plot(
                 t, m, lw=1.2, label=f"{r['level']} (peak {r['peak_bytes'] / (1 << 20):.0f} MiB)"
             )
-            for (t0, phase, _), (t1, _, _) in zip(r["samples"], r["samples"][1:]):
-                if r["level"] != "L0" and phase in colors:
-                    ax.axvspan(t0, t1, color=colors[phase], alpha=0.04, lw=0)
-        ax.set_title(f"{task}: memory over the pre-training baseline (shading: phases of GACT runs)",
-                     fontsize=12)  # fmt: skip
+        shaded = [r for r in records if r["task"] == task][-1]  # the last level's phases
+        spans: list[list[Any]] = []
+        for t0, phase, _ in shaded["samples"]:
+            if spans and spans[-1][2] == phase:
+                spans[-1][1] = t0
+            else:
+                spans.append([t0, t0, phase])
+        for t0, t1, phase in spans:
+            if phase in colors:
+                ax.axvspan(t0, t1, color=colors[phase], alpha=0.15, lw=0)
+        ax.set_title(f"{task}: memory over the pre-training baseline (shading: phases of the "
+                     f"{shaded['level']} run)", fontsize=12)  # fmt: skip
         ax.set_xlabel("seconds", fontsize=11)
         ax.set_ylabel("MiB", fontsize=11)
-        ax.legend(fontsize=10)
+        ax.legend(fontsize=10, loc="upper right")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c, alpha=0.3) for c in colors.values()][:4]
     fig.legend(handles, PHASES, loc="lower center", ncol=4, fontsize=10)
     fig.tight_layout(rect=(0, 0.04, 1, 1))
