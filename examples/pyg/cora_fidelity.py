@@ -119,7 +119,8 @@ def evaluate(model: nn.Module, graph: Data) -> tuple[float, float]:
 
 
 def summarise(runs: dict[str, list[dict]], level: str) -> dict[str, Any]:
-    """Mean accuracies, their difference and the tolerance check for one model."""
+    """Mean accuracies, their difference and the target check for one model: no worse than
+    fp32 by more than ``TOLERANCE`` points (being better is fine)."""
     fp32 = [r["test_accuracy"] for r in runs["fp32"]]
     gact = [r["test_accuracy"] for r in runs[level]]
     difference = statistics.mean(gact) - statistics.mean(fp32)
@@ -127,7 +128,7 @@ def summarise(runs: dict[str, list[dict]], level: str) -> dict[str, Any]:
         "fp32_mean": statistics.mean(fp32),
         f"{level}_mean": statistics.mean(gact),
         "difference": difference,
-        "within_tolerance": abs(difference) <= TOLERANCE,
+        "within_tolerance": difference >= -TOLERANCE,
         "ratio": statistics.mean(r["ratio"] for r in runs[level]),
         "runs": runs,
     }
@@ -138,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     graph = load_cora(args.data)
     results: dict[str, Any] = {}
-    print(f"{'model':6} {'fp32':>7} {args.level:>7} {'diff':>6}  ratio  within {TOLERANCE}")
+    print(f"{'model':6} {'fp32':>7} {args.level:>7} {'diff':>6}  ratio  diff >= -{TOLERANCE}")
     for name in args.models.split(","):
         runs: dict[str, list[dict]] = {"fp32": [], args.level: []}
         for seed in args.seeds:  # fp32 and GACT interleaved, seed by seed
