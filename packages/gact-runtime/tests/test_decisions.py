@@ -218,3 +218,43 @@ def test_an_unseen_decision_is_caught_and_kept_exact_from_then_on() -> None:
         controller.step()
     relu_output = [r for r in controller.ledger.last.values() if r.key.startswith("<root>")]
     assert relu_output and all(r.kind is Kind.KEPT for r in relu_output)
+
+
+class Ratio(nn.Module):
+    """``a / b`` with a positive divisor spread over three orders of magnitude, as attention
+    normalisers are (GAT's sum of exponentials over each node's edges)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num = nn.Linear(16, 256)
+        self.den = nn.Linear(16, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = self.den(x).mul(3).exp()
+        return self.num(x) / b
+
+
+@pytest.mark.parametrize("spelling", ["operator", "torch.div", "Tensor.div", "true_divide"])
+def test_divisors_are_kept_exact(spelling: str) -> None:
+    """The backward of ``a / b`` is ``-g a / b**2`` for ``b`` and ``g / b`` for ``a``: nonlinear in
+    the saved divisor and unbounded as it nears 0, and per-group rounding gives a small divisor
+    in a group of large ones a relative error of up to a whole step (the GAT example's
+    normaliser measured a sensitivity 100-1000x any other tensor's, BENCHMARKS.md). The divisor
+    is kept as it is; the numerator is compressed."""
+    torch.manual_seed(0)
+    model = Ratio()
+    if spelling != "operator":
+        div = {
+            "torch.div": lambda a, b: torch.div(a, b),
+            "Tensor.div": lambda a, b: a.div(b),
+            "true_divide": lambda a, b: torch.true_divide(a, b),
+        }[spelling]
+        model.forward = lambda x: div(model.num(x), model.den(x).mul(3).exp())  # type: ignore[method-assign]
+    x = torch.randn(64, 16)
+    with Controller(model, GactConfig.from_level("L1.2", min_numel=0)) as controller:
+        model(x).sum().backward()
+        controller.step()
+    records = controller.ledger.last.values()
+    divisor = [r for r in records if r.kind is Kind.KEPT and r.shape == (64, 256)]
+    assert len(divisor) == 1, [(r.key, r.kind, r.shape) for r in records]
+    assert any(r.kind is Kind.QUANTIZED and r.shape == (64, 256) for r in records)

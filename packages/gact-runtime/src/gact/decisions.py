@@ -32,6 +32,11 @@ __all__ = ["DECISION_NODES", "Decision", "DecisionMode", "DecisionSpec", "curren
 # - ``exact``: the backward compares the saved tensor with another tensor (``maximum``, ``amax``,
 #   ``max()``, inf-norms, the margin and L1-type losses), or a threshold is not representable in
 #   the tensor's dtype; saves made during the call are kept uncompressed.
+# - ``exact_ids``: the ids of the call's arguments that are kept uncompressed when saved, the
+#   others being compressed as usual: the divisor of ``a / b``, whose backward (``g / b`` and
+#   ``-g a / b**2``) is nonlinear in it and unbounded as it nears 0, while per-group rounding
+#   gives a small divisor among large ones a relative error of up to a whole step (the GAT
+#   example's attention normaliser measured a sensitivity 100-1000x any other tensor's).
 # After the call, the class name of the output's ``grad_fn`` (e.g. ``LeakyReluBackward0``) is
 # recorded as a *consumer* of those decisions. At unpack, ``torch._C._current_autograd_node()``
 # names the node that is unpacking: a consumer gets the dequantized values clamped into the exact
@@ -99,11 +104,17 @@ class DecisionSpec:
         exact: keep the call's saved tensors uncompressed instead.
         zero_exact: the call saves only its non-negative output and decides ``y > 0``: quantize
             it with ``zero_exact=True`` and keep no mask for that predicate (see NOTE above).
+        exact_ids: ``id()`` of the call's arguments to keep uncompressed when saved.
     """
 
     predicates: tuple[tuple[bool, float], ...] = ()
     exact: bool = False
     zero_exact: bool = False
+    exact_ids: frozenset[int] = frozenset()
+
+    def keeps(self, tensor: torch.Tensor) -> bool:
+        """Whether a save of ``tensor`` made during the call is kept uncompressed."""
+        return self.exact or id(tensor) in self.exact_ids
 
 
 _EXACT = DecisionSpec(exact=True)
@@ -173,6 +184,13 @@ def _shrink(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec:
     return DecisionSpec(((False, -lambd), (True, lambd)))
 
 
+def _divisor(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
+    other = _arg(args, kwargs, 1, "other", None)
+    return (
+        DecisionSpec(exact_ids=frozenset({id(other)})) if isinstance(other, torch.Tensor) else None
+    )
+
+
 def _norm(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
     order = _arg(args, kwargs, 1, "p", kwargs.get("ord", 2))
     return _EXACT if isinstance(order, (int, float)) and math.isinf(order) else None
@@ -218,6 +236,8 @@ def _rules() -> dict[Callable[..., Any], _Rule]:
     add(exact, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.hinge_embedding_loss)
     add(exact, F.margin_ranking_loss, F.triplet_margin_loss, F.multi_margin_loss)
     add(exact, F.multilabel_margin_loss)
+    add(_divisor, torch.div, torch.divide, torch.true_divide, T.div, T.div_, T.divide, T.divide_)
+    add(_divisor, T.true_divide, T.true_divide_, T.__truediv__, T.__itruediv__)
     return table
 
 

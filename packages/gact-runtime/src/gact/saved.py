@@ -303,9 +303,11 @@ class SaveHooks:
         key = self.tracker.next_key(tensor)
         spec = decisions.current_spec() if inside else None
         hit = self.live.get(tensor, self.tracker.generation)
+        if hit is not None and spec is not None and spec.keeps(tensor):
+            hit = hit if isinstance(hit, SavedKept) else None  # a compressed copy would not do
         if hit is not None:
             self.ledger.deduplicated += 1
-            if spec is not None and isinstance(hit, SavedCompressed):
+            if spec is not None and spec.predicates and isinstance(hit, SavedCompressed):
                 self._decide(hit, tensor, spec)
             return hit
         kind = self._treatment(key, tensor, spec, inside)
@@ -347,7 +349,9 @@ class SaveHooks:
             return Kind.KEPT
         if key in self.plan.exact_keys:
             return Kind.KEPT
-        if spec is not None and (spec.exact or not decisions.representable(spec, tensor.dtype)):
+        if spec is not None and (
+            spec.keeps(tensor) or not decisions.representable(spec, tensor.dtype)
+        ):
             return Kind.KEPT
         return None
 
@@ -379,7 +383,7 @@ class SaveHooks:
             saved.expand_to = tensor.shape
         self.live.add(tensor, saved, self.tracker.generation)
         self.ledger.record(key, tensor, kind, bits, payload.nbytes, zero_exact=zero_exact)
-        if spec is not None and kind is Kind.QUANTIZED:
+        if spec is not None and spec.predicates and kind is Kind.QUANTIZED:
             self._decide(saved, tensor, spec)
         return saved
 
