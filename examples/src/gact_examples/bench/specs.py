@@ -124,7 +124,7 @@ def _a(options: str) -> tuple[str, ...]:
     return tuple(options.split())
 
 
-# Sized so that all six examples x 4 levels x 3 seeds finish in about 40 minutes on 2 CPU cores.
+# Sized so that all six examples x 5 levels x 3 seeds finish within an hour on 2 shared CPU cores.
 EXAMPLES = (
     Example(
         "gcn", "gnn", "GCN / Cora", _a("--model gcn --epochs 100"), _a("--model gcn --epochs 50")
