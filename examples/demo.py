@@ -36,9 +36,9 @@ peak memory: the process's peak resident memory over its pre-training baseline i
   state and the backward pass's working set are not compressed.
 fp32/level: how many times less than fp32.
 Speed is not compared: on a shared CPU the step-time noise exceeds GACT's overhead (see
-  BENCHMARKS.md). Adaptive levels (L2, L2.2) also probe sensitivities on their first step
-  (1 + K extra forward/backward passes, again every 1000 steps by default): a visible share of a
-  run this short, a small one of a long run."""
+  BENCHMARKS.md). Adaptive levels (L2, L2.2) allocate their bits after the first step without
+  probes; their sensitivity probes (1 + K extra forward/backward passes) run only when they cost
+  at most 5% of the training time so far, which a run this short may never reach."""
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
