@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import gact
+import gact_kernels
 import pytest
 import torch
 import torch.nn.functional as F
 from gact import ConfigError, Controller, GactConfig, GactWarning
 from gact.ledger import Kind
+from gact.saved import SavedCompressed
 from models import make_case
 from runtime_helpers import grads_of, make_closure
 from torch import nn
@@ -300,3 +302,35 @@ def test_a_level_below_the_smallest_widths_warns_and_uses_them() -> None:
         controller.iterate(closure)
     relu = {k for k, r in controller.ledger.last.items() if r.zero_exact}
     assert len(relu) == 2 and all(controller.plan.bits[k] == 2 for k in relu)
+
+
+def test_two_valued_tensors_get_1_exact_bit_and_free_the_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Binary features (Cora's bag of words, one-hot inputs) take two values: 1 bit stores them
+    exactly, so the first allocation pins them there and spends the bits saved on the other
+    tensors (NOTE [Two-valued tensors] in adapt.py)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 4))
+    x = (torch.rand(256, 512) < 0.05).float()  # binary features, saved by the first layer
+    y = torch.randint(0, 4, (256,))
+    key = "0#0:float32:2d"
+    bits = []
+    for features in (x + 0.5 * torch.rand_like(x), x):  # not two-valued, then two-valued
+        controller = Controller(model, GactConfig.from_level("L2", min_numel=0))
+        saved: list[object] = []
+        pack = controller.hooks.pack_own
+        monkeypatch.setattr(
+            controller.hooks,
+            "pack_own",
+            lambda t, p=pack, s=saved, **k: s.append(p(t, **k)) or s[-1],
+        )
+        closure = make_closure(model, features, y)
+        with controller:
+            controller.iterate(closure)  # the first step allocates (prior)
+            controller.iterate(closure)  # the second stores with that allocation
+        bits.append(dict(controller.plan.bits))
+    assert bits[0][key] > 1 and bits[1][key] == 1
+    assert all(bits[1][k] > bits[0][k] for k in bits[1] if k != key)
+    stored = [s for s in saved if isinstance(s, SavedCompressed) and s.key == key][-1]
+    assert stored.payload.bits == 1 and torch.equal(gact_kernels.decompress(stored.payload), x)

@@ -373,6 +373,13 @@ class SaveHooks:
                 zero_exact = spec is not None and spec.zero_exact
                 if zero_exact:  # 2 zero-exact bits, not 1 bit and a mask (NOTE [Exact decisions])
                     bits = max(bits, 2)
+                plan = self.plan
+                if plan.config.spec.adaptive and plan.probe is None and key not in plan.bits:
+                    # first sight of the key: see NOTE [Two-valued tensors] in adapt.py
+                    if _two_valued(data):
+                        plan.two_valued.add(key)
+                    else:
+                        plan.two_valued.discard(key)
                 seed = self.plan.seed_for(key, self.ledger.occurrences(key))
                 payload = gact_kernels.quantize(
                     data, bits, group_size=group_size, seed=seed, zero_exact=zero_exact
@@ -407,6 +414,14 @@ class SaveHooks:
                 GactWarning,
                 stacklevel=2,
             )
+
+
+def _two_valued(data: torch.Tensor) -> bool:
+    """Whether every element of ``data`` equals its minimum or its maximum (NaN: no)."""
+    if data.numel() == 0:
+        return False
+    lo, hi = torch.aminmax(data)
+    return bool(data.eq(lo).logical_or_(data.eq(hi)).all())
 
 
 def _compact(tensor: torch.Tensor) -> torch.Tensor | None:
