@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import gact_kernels
 import pytest
@@ -65,16 +66,26 @@ COPIES = 8192  # samples per element
 DELTA = 1e-9  # false-alarm probability per element
 
 
-def hard_groups(dtype: torch.dtype) -> torch.Tensor:
-    """Groups of GROUP elements where rounding is hardest to keep unbiased, in ``dtype``."""
-    fi = torch.finfo(dtype)
-    gen = torch.Generator().manual_seed(7)
+def _draws(
+    gen: torch.Generator,
+) -> tuple[Callable[[float, float], torch.Tensor], Callable[[float, int], torch.Tensor]]:
+    """``uniform(a, b)``: GROUP float64 draws in [a, b); ``steps(unit, count)``: GROUP random
+    multiples ``0 .. count-1`` of ``unit``; both from ``gen``."""
 
     def uniform(a: float, b: float) -> torch.Tensor:
         return a + (b - a) * torch.rand(GROUP, generator=gen, dtype=torch.float64)
 
     def steps(unit: float, count: int) -> torch.Tensor:
         return unit * torch.randint(0, count, (GROUP,), generator=gen).double()
+
+    return uniform, steps
+
+
+def hard_groups(dtype: torch.dtype) -> torch.Tensor:
+    """Groups of GROUP elements where rounding is hardest to keep unbiased, in ``dtype``."""
+    fi = torch.finfo(dtype)
+    gen = torch.Generator().manual_seed(7)
+    uniform, steps = _draws(gen)
 
     parts = [
         uniform(0, 2),  # the reported case: the level grid is finer than bf16's near 1
@@ -177,12 +188,7 @@ def zero_minimum_groups(dtype: torch.dtype) -> torch.Tensor:
     group's minimum is 0 and ``zero_exact=True`` gives it the sign-exact grid; in ``dtype``."""
     fi = torch.finfo(dtype)
     gen = torch.Generator().manual_seed(11)
-
-    def uniform(a: float, b: float) -> torch.Tensor:
-        return a + (b - a) * torch.rand(GROUP, generator=gen, dtype=torch.float64)
-
-    def steps(unit: float, count: int) -> torch.Tensor:
-        return unit * torch.randint(0, count, (GROUP,), generator=gen).double()
+    uniform, steps = _draws(gen)
 
     parts = [
         uniform(0, 2),

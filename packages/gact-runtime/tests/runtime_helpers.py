@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -35,3 +35,17 @@ def make_closure(
         return loss
 
     return closure
+
+
+def record_saves(controller: Any, monkeypatch: Any) -> list[object]:
+    """A list that receives what ``controller``'s hooks return for every save of its model
+    (``SavedKept`` / ``SavedCompressed``), in order."""
+    saved: list[object] = []
+    pack = controller.hooks.pack_own
+
+    def recording(tensor: torch.Tensor, **kwargs: Any) -> object:
+        saved.append(pack(tensor, **kwargs))
+        return saved[-1]
+
+    monkeypatch.setattr(controller.hooks, "pack_own", recording)
+    return saved

@@ -11,7 +11,7 @@ from gact import ConfigError, Controller, GactConfig, GactWarning
 from gact.ledger import Kind
 from gact.saved import SavedCompressed
 from models import make_case
-from runtime_helpers import grads_of, make_closure
+from runtime_helpers import grads_of, make_closure, record_saves
 from torch import nn
 
 
@@ -318,13 +318,7 @@ def test_two_valued_tensors_get_1_exact_bit_and_free_the_budget(
     bits = []
     for features in (x + 0.5 * torch.rand_like(x), x):  # not two-valued, then two-valued
         controller = Controller(model, GactConfig.from_level("L2", min_numel=0))
-        saved: list[object] = []
-        pack = controller.hooks.pack_own
-        monkeypatch.setattr(
-            controller.hooks,
-            "pack_own",
-            lambda t, p=pack, s=saved, **k: s.append(p(t, **k)) or s[-1],
-        )
+        saved = record_saves(controller, monkeypatch)
         closure = make_closure(model, features, y)
         with controller:
             controller.iterate(closure)  # the first step allocates (prior)

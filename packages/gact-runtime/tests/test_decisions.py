@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from gact import Controller, GactConfig, GactWarning
 from gact.ledger import Kind
 from gact.saved import SavedCompressed
+from runtime_helpers import record_saves
 from torch import nn
 
 # Each function's backward depends on its saved tensor only through comparisons, so with exact
@@ -55,11 +56,13 @@ class Head(nn.Module):
         return self.act(self.lin(x))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("name", list(PURE_DECISIONS))
-def test_decisions_are_exact(name: str, dtype: torch.dtype) -> None:
+def _head_run(
+    act: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype
+) -> tuple[Head, Callable[[], None], torch.Tensor]:
+    """``Head(act)``, a closure whose bias gradient is the batch sum of ``c * act'(h)`` (no
+    value of ``h`` enters it), and that gradient in fp32 without GACT."""
     torch.manual_seed(0)
-    model = Head(PURE_DECISIONS[name], dtype)
+    model = Head(act, dtype)
     x = torch.randn(64, 16, dtype=dtype)
     c = torch.randn(64, 256, dtype=dtype)
 
@@ -68,7 +71,13 @@ def test_decisions_are_exact(name: str, dtype: torch.dtype) -> None:
         (model(x) * c).sum().backward()
 
     closure()
-    exact = model.lin.bias.grad.clone()
+    return model, closure, model.lin.bias.grad.clone()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(PURE_DECISIONS))
+def test_decisions_are_exact(name: str, dtype: torch.dtype) -> None:
+    model, closure, exact = _head_run(PURE_DECISIONS[name], dtype)
     with Controller(model, GactConfig.from_level("L1.2", min_numel=0)) as controller:
         controller.iterate(closure)
     stats = controller.stats()
@@ -142,9 +151,7 @@ def test_other_consumers_get_the_unbiased_values(monkeypatch: pytest.MonkeyPatch
     closure()
     exact_bias = model.lin.bias.grad.clone()
     controller = Controller(model, GactConfig.from_level("L1.2", min_numel=0))
-    saved: list[object] = []
-    pack = controller.hooks.pack_own
-    monkeypatch.setattr(controller.hooks, "pack_own", lambda t, **k: _keep(saved, pack(t, **k)))
+    saved = record_saves(controller, monkeypatch)
     with controller:
         controller.iterate(closure)
     assert torch.equal(model.lin.bias.grad, exact_bias)
@@ -161,21 +168,9 @@ def test_a_relu_output_at_1_bit_takes_2_zero_exact_bits_instead_of_a_mask(
     """Before the first allocation L2.2 stores tensors at 1 bit; a ReLU output then gets the
     2-bit zero-exact grid, which costs what 1 bit plus a 1-bit mask would, with a quarter of
     the variance, and keeps ``y > 0`` exact."""
-    torch.manual_seed(0)
-    model = Head(F.relu, dtype)
-    x = torch.randn(64, 16, dtype=dtype)
-    c = torch.randn(64, 256, dtype=dtype)
-
-    def closure() -> None:
-        model.zero_grad()
-        (model(x) * c).sum().backward()
-
-    closure()
-    exact = model.lin.bias.grad.clone()
+    model, closure, exact = _head_run(F.relu, dtype)
     controller = Controller(model, GactConfig.from_level("L2.2", min_numel=0))
-    saved: list[object] = []
-    pack = controller.hooks.pack_own
-    monkeypatch.setattr(controller.hooks, "pack_own", lambda t, **k: _keep(saved, pack(t, **k)))
+    saved = record_saves(controller, monkeypatch)
     with controller:
         controller.iterate(closure)  # the first step: 1 bit for everything
     assert torch.equal(model.lin.bias.grad, exact)
@@ -183,11 +178,6 @@ def test_a_relu_output_at_1_bit_takes_2_zero_exact_bits_instead_of_a_mask(
     assert relu.payload.bits == 2 and relu.decision.masks == []  # ReluBackward: a consumer
     (rec,) = [r for r in controller.ledger.last.values() if r.zero_exact]
     assert (rec.bits, rec.mask_bits, rec.mask_bytes) == (2, 0, 0)
-
-
-def _keep(store: list[object], saved: object) -> object:
-    store.append(saved)
-    return saved
 
 
 def test_comparisons_between_tensors_keep_the_tensors_exact() -> None:

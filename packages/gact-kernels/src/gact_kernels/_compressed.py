@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import Any, ClassVar, TypeVar
 
@@ -36,7 +37,7 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
-class Compressed:
+class Compressed(abc.ABC):
     """A compressed tensor produced by gact_kernels; :func:`decompress` restores any of them.
 
     The concrete containers are frozen dataclasses (:class:`~gact_kernels.QuantizedTensor`,
@@ -58,12 +59,13 @@ class Compressed:
     def __post_init__(self) -> None:
         self._validate()
 
+    @abc.abstractmethod
     def _validate(self) -> None:
         """Raises TypeError/ValueError naming the first inconsistent field."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _decompress(self) -> torch.Tensor:
-        raise NotImplementedError
+        """The original tensor (see ``decompress``)."""
 
     def buffers(self) -> tuple[torch.Tensor, ...]:
         """Every tensor held, e.g. for ``Tensor.record_stream`` after an asynchronous copy."""

@@ -58,7 +58,7 @@ class Items:
                 torch.finfo(r.dtype).bits,
                 r.mask_bits,
                 2 if r.zero_exact else 1,
-                1 if r.key in two_valued and not r.zero_exact else 0,
+                1 if two_valued.get(r.key) and not r.zero_exact else 0,
             )
             for r in sites.values()
             if _quantizable(r)
@@ -84,11 +84,11 @@ class Items:
 # A tensor whose elements all equal its minimum or its maximum (binary features such as Cora's
 # bag of words, one-hot inputs, masks stored as floats) is stored exactly at 1 bit: each group's
 # two levels are its minimum and maximum. When a key is first seen at an adaptive level, its
-# tensor is checked (one pass, only then), and allocations pin two-valued keys at 1 bit: the
-# bits they would waste go to the other tensors. On the GAT example the input features are 55%
-# of the saved elements; pinning them cut the prior allocation's true gradient error 15x
-# (BENCHMARKS.md). A key that stops being two-valued is still rounded without bias, only with
-# more variance, until the next allocation sees it again.
+# tensor is checked (one pass, only then, probes included), and allocations pin two-valued keys
+# at 1 bit: the bits they would waste go to the other tensors. On the GAT example the input
+# features are 55% of the saved elements; pinning them cut the prior allocation's true gradient
+# error 15x (BENCHMARKS.md). A key whose tensor later takes more values is still rounded
+# without bias, only with more variance.
 
 
 # NOTE [Prior allocation]

@@ -67,9 +67,9 @@ class BitPlan:
         # keys whose tensor fed a decision this runtime could not keep exact (see
         # NOTE [Exact decisions]): kept at full precision from then on
         self.exact_keys: set[str] = set()
-        # keys whose tensor took only two values when first seen (NOTE [Two-valued tensors] in
-        # adapt.py): 1 bit stores them exactly
-        self.two_valued: set[str] = set()
+        # whether each key's tensor took only two values when first seen (NOTE [Two-valued
+        # tensors] in adapt.py): 1 bit stores such tensors exactly
+        self.two_valued: dict[str, bool] = {}
         self._hashes: dict[str, int] = {}
 
     @property

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import threading
 import warnings
 import weakref
@@ -62,7 +63,7 @@ def _describe(dtype: torch.dtype, device: torch.device, shape: Sequence[int]) ->
     return f"[{name.replace('torch.cpu.', 'torch.')} [{', '.join(map(str, shape))}]]"
 
 
-class Saved:
+class Saved(abc.ABC):
     """What autograd holds for one saved tensor; ``unpack`` gives the tensor back."""
 
     __slots__ = ("__weakref__", "key", "node", "output_nr", "version")
@@ -73,11 +74,13 @@ class Saved:
         self.node = None if tensor.grad_fn is None else type(tensor.grad_fn)
         self.output_nr = tensor.output_nr
 
+    @abc.abstractmethod
     def unpack(self) -> torch.Tensor:
-        raise NotImplementedError
+        """The saved tensor, checked against in-place changes since pack."""
 
+    @abc.abstractmethod
     def _describe(self) -> str:
-        raise NotImplementedError
+        """The tensor as PyTorch's in-place error message names it."""
 
     def _check(self, tensor: torch.Tensor) -> None:
         """Raise PyTorch's message (so searches find it) if ``tensor`` changed since pack."""
@@ -374,12 +377,9 @@ class SaveHooks:
                 if zero_exact:  # 2 zero-exact bits, not 1 bit and a mask (NOTE [Exact decisions])
                     bits = max(bits, 2)
                 plan = self.plan
-                if plan.config.spec.adaptive and plan.probe is None and key not in plan.bits:
+                if plan.config.spec.adaptive and key not in plan.two_valued:
                     # first sight of the key: see NOTE [Two-valued tensors] in adapt.py
-                    if _two_valued(data):
-                        plan.two_valued.add(key)
-                    else:
-                        plan.two_valued.discard(key)
+                    plan.two_valued[key] = _two_valued(data)
                 seed = self.plan.seed_for(key, self.ledger.occurrences(key))
                 payload = gact_kernels.quantize(
                     data, bits, group_size=group_size, seed=seed, zero_exact=zero_exact
