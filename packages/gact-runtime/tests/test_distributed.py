@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 from pathlib import Path
 
@@ -19,7 +20,20 @@ WORLD = 2
 def _init(rank: int, store: str) -> None:
     """Rendezvous through a file (a free TCP port can be taken by another process between its
     discovery and the workers' bind: that made these tests flaky on busy machines)."""
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=120),  # a rank that failed ends the barrier too
+    )
+
+
+def _close() -> None:
+    """Leave the group together: a rank that tears gloo down while the other is still in a
+    collective aborts the process ("terminate called without an active exception")."""
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _worker(rank: int, store: str, queue: mp.SimpleQueue, bucket_view: bool) -> None:
@@ -63,7 +77,7 @@ def _worker(rank: int, store: str, queue: mp.SimpleQueue, bucket_view: bool) -> 
         digest = hashlib.sha256(params.numpy().tobytes()).hexdigest()  # small: the pipe is joined
         queue.put((rank, dict(controller.plan.bits), digest, grads_kept))
     finally:
-        dist.destroy_process_group()
+        _close()
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
@@ -127,7 +141,7 @@ def _fsdp_worker(rank: int, store: str, queue: mp.SimpleQueue) -> None:
             )
         )
     finally:
-        dist.destroy_process_group()
+        _close()
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
