@@ -116,7 +116,7 @@ def bar_chart(
         raise ValueError("bar_chart needs at least one panel")
     ncols = ncols or len(panels)
     nrows = math.ceil(len(panels) / ncols)
-    width = 4.2 * min(ncols, len(panels))
+    width = 4.6 * min(ncols, len(panels))
     notes_height = 0.9 if footnote else 0.0
     with plt.rc_context({"font.size": 12, "axes.titlesize": 12, "xtick.labelsize": 11}):
         fig, axes = plt.subplots(
