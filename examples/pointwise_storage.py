@@ -11,7 +11,7 @@ For each input set (``N(0, 1)``; the char-GPT example's GELU inputs at initialis
 input gradient ``g f'(.)`` against the exact one, ``E[(f~' - f')^2] / E[f'^2]`` (``g`` independent
 of ``x``), with GACT's split into bias^2 and variance over ``--seeds`` rounding seeds. Few-bit is
 shown twice: with intervals fitted on the tensor itself (its best case) and with the table fitted
-once on ``N(0, 1)``, as a runtime without per-tensor fitting would use it.
+once on ``N(0, 1)``: the runtime's own table (``gact.pointwise``, NOTE [Derivative tables]).
 
     python examples/pointwise_storage.py --data ../shared/data --json pointwise.json
 """
@@ -20,92 +20,64 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
 from typing import Any
 
 import gact_kernels
-import numpy as np
+import gact_policy
 import torch
-import torch.nn.functional as F
+from gact.pointwise import DERIVATIVES, MAX_TABLE_BITS, derivative_table
 from gact_examples.data import load_char_corpus
 from gact_examples.models import CharGPT
 from torch import nn
 
-FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"GELU": F.gelu, "SiLU": F.silu}
-WIDTHS = (1, 2, 3, 4)
+FUNCTIONS = {"GELU": "gelu", "SiLU": "silu"}  # shown name -> gact.pointwise.DERIVATIVES key
+WIDTHS = tuple(range(1, MAX_TABLE_BITS + 1))
 
 
-def derivative(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """``f'(x)`` elementwise, by autograd (float64)."""
-    z = x.detach().double().requires_grad_(True)
-    return torch.autograd.grad(f(z).sum(), z)[0]
+def derivative(function: str, x: torch.Tensor) -> torch.Tensor:
+    """``f'(x)`` elementwise, in float64."""
+    return DERIVATIVES[function][0](x.double())
 
 
 def fit_intervals(
-    f: Callable[[torch.Tensor], torch.Tensor], sample: torch.Tensor, bits: int, bins: int = 512
+    function: str, sample: torch.Tensor, bits: int, bins: int = 512
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Few-bit's table: ``2^bits`` intervals of ``x`` (edges on ``bins`` sample quantiles) and
-    their mean derivative, minimising the sample's squared derivative error (exact DP)."""
+    """Few-bit's table fitted on ``sample`` itself: ``2**bits`` intervals with edges on ``bins``
+    quantiles of the sample, and their mean derivative (``gact_policy.fit_piecewise_constant``
+    over the bins' means, weighted by their counts)."""
     xs = torch.sort(sample.detach().double().flatten())[0]
-    edges = torch.quantile(
-        xs[:: max(1, xs.numel() // 100_000)], torch.linspace(0, 1, bins + 1)[1:-1].double()
-    )
+    stride = max(1, xs.numel() // 100_000)
+    edges = torch.quantile(xs[::stride], torch.linspace(0, 1, bins + 1)[1:-1].double())
     which = torch.bucketize(xs, edges)
-    d = derivative(f, xs)
-    n = np.bincount(which.numpy(), minlength=bins).astype(np.float64)
-    s1 = np.bincount(which.numpy(), d.numpy(), minlength=bins)
-    s2 = np.bincount(which.numpy(), (d * d).numpy(), minlength=bins)
-    cn, c1, c2 = (np.concatenate([[0.0], np.cumsum(a)]) for a in (n, s1, s2))
-
-    def cost(i: np.ndarray, j: int) -> np.ndarray:  # squared error of bins i..j-1 as one piece
-        cnt = cn[j] - cn[i]
-        return (
-            c2[j]
-            - c2[i]
-            - np.divide((c1[j] - c1[i]) ** 2, cnt, out=np.zeros_like(cnt), where=cnt > 0)
-        )
-
-    pieces = 2**bits
-    best = np.full((pieces + 1, bins + 1), np.inf)
-    arg = np.zeros((pieces + 1, bins + 1), dtype=np.int64)
-    best[0, 0] = 0.0
-    for k in range(1, pieces + 1):
-        for j in range(1, bins + 1):
-            i = np.arange(j)
-            total = best[k - 1, :j] + cost(i, j)
-            arg[k, j] = int(np.argmin(total))
-            best[k, j] = total[arg[k, j]]
-    cuts, j = [], bins
-    for k in range(pieces, 0, -1):
-        cuts.append(j)
-        j = arg[k, j]
-    cuts = sorted(cuts)[:-1]  # inner boundaries, in bins
-    bounds = edges[[c - 1 for c in cuts]] if cuts else edges[:0]
-    piece = torch.bucketize(xs, bounds)
-    levels = torch.zeros(pieces, dtype=torch.float64).index_add_(0, piece, d)
-    counts = torch.bincount(piece, minlength=pieces).double().clamp(min=1)
-    return bounds, levels / counts
+    d = derivative(function, xs)
+    counts = torch.bincount(which, minlength=bins).double()
+    means = torch.zeros(bins, dtype=torch.float64).index_add_(0, which, d) / counts.clamp(min=1)
+    fit = gact_policy.fit_piecewise_constant(means.numpy(), 2**bits, weights=counts.numpy())
+    bounds = edges[torch.as_tensor(fit.starts[1:]) - 1]
+    return bounds, torch.as_tensor(fit.levels)
 
 
-def errors(
-    f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, seeds: int, table_n01: dict
-) -> list[dict[str, Any]]:
-    exact = derivative(f, x)
+def errors(function: str, x: torch.Tensor, seeds: int) -> list[dict[str, Any]]:
+    """Per width: GACT's bias², variance and MSE, and the two tables' errors, relative."""
+    exact = derivative(function, x)
     power = float((exact * exact).mean())
     rows = []
     for bits in WIDTHS:
         draws = torch.stack(
             [
-                derivative(f, gact_kernels.dequantize(gact_kernels.quantize(x, bits, seed=s)))
+                derivative(
+                    function, gact_kernels.dequantize(gact_kernels.quantize(x, bits, seed=s))
+                )
                 for s in range(seeds)
             ]
         )
         mean = draws.mean(0)
         bias2 = float(((mean - exact) ** 2).mean()) / power
         var = float(draws.var(0).mean()) / power
-        own = fit_intervals(f, x, bits)
+        runtime = derivative_table(function, bits)
         fewbit = {}
-        for name, (bounds, levels) in (("own", own), ("n01", table_n01[bits])):
+        tables = {"own": fit_intervals(function, x, bits), "n01": (runtime.bounds, runtime.levels)}
+        for name, (bounds, levels) in tables.items():
             approx = levels[torch.bucketize(x.double(), bounds)]
             fewbit[name] = float(((approx - exact) ** 2).mean()) / power
         rows.append(
@@ -173,12 +145,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         "| input | f | bits | GACT: bias^2 | variance | MSE | few-bit, own intervals | few-bit, N(0,1) table |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    for fname, f in FUNCTIONS.items():
-        table = {b: fit_intervals(f, normal, b) for b in WIDTHS}
+    for fname, function in FUNCTIONS.items():
         for iname, x in inputs.items():
             if fname != "GELU" and iname != "N(0, 1)":
                 continue  # the example has GELUs only
-            for row in errors(f, x.float(), args.seeds, table):
+            for row in errors(function, x.float(), args.seeds):
                 results.append({"input": iname, "function": fname, **row})
                 print(
                     f"| {iname} | {fname} | {row['bits']} | {row['gact_bias2']:.2e} | "

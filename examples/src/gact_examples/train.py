@@ -108,6 +108,11 @@ def base_parser(
         help="seed of GACT's stochastic rounding (GactConfig.seed); --seed seeds the model",
     )
     p.add_argument(
+        "--no-derivative-tables",
+        action="store_true",
+        help="quantize GELU/SiLU inputs instead of storing derivative tables",
+    )
+    p.add_argument(
         "--adapt-interval",
         type=int,
         default=None,
@@ -245,7 +250,7 @@ class Run:
     ) -> gact.Controller | None:
         if not args.gact:
             return None
-        options = {"seed": args.gact_seed}
+        options = {"seed": args.gact_seed, "derivative_tables": not args.no_derivative_tables}
         if args.adapt_interval is not None:
             options["adapt_interval"] = args.adapt_interval
         controller = gact.Controller(model, gact.GactConfig.from_level(args.level, **options))
@@ -321,6 +326,7 @@ class Run:
             "epochs": self.args.epochs,
             "seed": self.args.seed,
             "gact_seed": self.args.gact_seed if self.args.gact else None,
+            "derivative_tables": not self.args.no_derivative_tables if self.args.gact else None,
             "metric": metric,
             "final_metric": final_metric,
             "original_bytes": orig,

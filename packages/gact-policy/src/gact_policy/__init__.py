@@ -14,6 +14,7 @@ from .allocation import (
     min_storage_bits,
     storage_bits,
 )
+from .piecewise import PiecewiseFit, fit_piecewise_constant
 from .schedule import AdaptationSchedule
 from .sensitivity import (
     SENSITIVITY_CAP,
@@ -36,11 +37,13 @@ __all__ = [
     "GradFn",
     "InfeasibleBudgetError",
     "LinearNoiseModel",
+    "PiecewiseFit",
     "ProbeConfig",
     "SensitivityEstimate",
     "SensitivityTracker",
     "allocate",
     "allocate_bits",
+    "fit_piecewise_constant",
     "min_pair_probes",
     "min_storage_bits",
     "pairwise_sensitivity",

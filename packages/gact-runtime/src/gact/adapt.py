@@ -34,7 +34,9 @@ class Items:
         keys: save-site keys of the items.
         numel: elements per item (summed over the step's saves at that key).
         full_bits: width of the item's dtype (its cost when kept at full precision).
-        overhead_bits: metadata plus exact decision masks per element of a quantized item.
+        overhead_bits: metadata plus exact decision masks per element of a quantized item
+            (a derivative table's codes carry a 9-byte group header, not 8: NOTE [Derivative
+            tables] in pointwise.py).
         lower: the smallest width of each item: 2 on the zero-exact grid (NOTE [Exact
             decisions] in decisions.py), else 1.
         pinned: 1 for two-valued items (NOTE [Two-valued tensors]), else 0 (free).
@@ -56,7 +58,7 @@ class Items:
                 r.key,
                 r.numel,
                 torch.finfo(r.dtype).bits,
-                r.mask_bits,
+                r.mask_bits + (metadata_bits / 8 if r.table else 0.0),
                 2 if r.zero_exact else 1,
                 1 if two_valued.get(r.key) and not r.zero_exact else 0,
             )

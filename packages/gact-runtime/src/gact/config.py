@@ -86,6 +86,9 @@ class GactConfig:
         memory_budget: adaptive levels only: bytes the saved tensors of one step may occupy,
             everything counted (payloads, metadata, decision masks and the tensors kept as they
             are); replaces the level's average bits. ``None`` uses the level's average.
+        derivative_tables: store GELU and SiLU inputs due for at most 4 bits as derivative
+            tables where that is more accurate than quantizing them (NOTE [Derivative tables]
+            in pointwise.py); ``False`` always quantizes them.
 
     Example::
 
@@ -105,6 +108,7 @@ class GactConfig:
     sensitivity_momentum: float = 0.5
     seed: int = 0
     memory_budget: int | None = None
+    derivative_tables: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.level, str) or self.level not in LEVELS:
@@ -142,6 +146,10 @@ class GactConfig:
         if not _is_real(momentum) or not 0.0 <= momentum < 1.0:
             raise ConfigError(f"sensitivity_momentum must be a number in [0, 1), got {momentum!r}")
         _check_int("seed", self.seed, 0, 2**64 - 1)
+        if not isinstance(self.derivative_tables, bool):
+            raise ConfigError(
+                f"derivative_tables must be True or False, got {self.derivative_tables!r}"
+            )
         if self.memory_budget is not None:
             _check_int("memory_budget", self.memory_budget, 1, none_ok=True)
             if not self.spec.adaptive:

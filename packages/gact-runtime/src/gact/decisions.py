@@ -4,7 +4,9 @@ The backward of ReLU keeps the gradient where its saved output is ``> 0``; Leaky
 Hardtanh/ReLU6, Hardsigmoid, Hardswish, threshold, clamp, abs and the shrink functions branch the
 same way on a saved tensor. Stochastic rounding moves values across such a threshold (a positive
 ReLU output below one quantization step rounds to 0 with probability ``1 - y/step``), which makes
-the gradient systematically wrong, not just noisy. This module keeps those decisions exact.
+the gradient systematically wrong, not just noisy. This module keeps those decisions exact. It
+also tells the hooks which save is the input of a GELU or SiLU call, which may be stored as a
+derivative table (NOTE [Derivative tables] in pointwise.py).
 """
 
 from __future__ import annotations
@@ -105,12 +107,24 @@ class DecisionSpec:
         zero_exact: the call saves only its non-negative output and decides ``y > 0``: quantize
             it with ``zero_exact=True`` and keep no mask for that predicate (see NOTE above).
         exact_ids: ``id()`` of the call's arguments to keep uncompressed when saved.
+        derivative: the call is a pointwise function whose backward reads its input only
+            through the derivative (a key of ``pointwise.DERIVATIVES``): the save of the
+            argument whose ``id()`` is ``derivative_id`` may use a derivative table (NOTE
+            [Derivative tables] in pointwise.py).
+        derivative_id: ``id()`` of that argument.
     """
 
     predicates: tuple[tuple[bool, float], ...] = ()
     exact: bool = False
     zero_exact: bool = False
     exact_ids: frozenset[int] = frozenset()
+    derivative: str | None = None
+    derivative_id: int | None = None
+
+    @property
+    def decides(self) -> bool:
+        """Whether the call's backward branches on, or needs exactly, a saved tensor."""
+        return bool(self.predicates or self.exact or self.zero_exact or self.exact_ids)
 
     def keeps(self, tensor: torch.Tensor) -> bool:
         """Whether a save of ``tensor`` made during the call is kept uncompressed."""
@@ -191,6 +205,22 @@ def _divisor(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None
     )
 
 
+def _gelu(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
+    approximate = _arg(args, kwargs, 1, "approximate", "none")
+    name = {"none": "gelu", "tanh": "gelu_tanh"}.get(approximate)
+    x = _arg(args, kwargs, 0, "input", None)
+    if name is None or not isinstance(x, torch.Tensor):
+        return None
+    return DecisionSpec(derivative=name, derivative_id=id(x))
+
+
+def _silu(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
+    x = _arg(args, kwargs, 0, "input", None)
+    if _arg(args, kwargs, 1, "inplace", False) or not isinstance(x, torch.Tensor):
+        return None  # in place, the saved tensor is the output's storage
+    return DecisionSpec(derivative="silu", derivative_id=id(x))
+
+
 def _norm(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
     order = _arg(args, kwargs, 1, "p", kwargs.get("ord", 2))
     return _EXACT if isinstance(order, (int, float)) and math.isinf(order) else None
@@ -238,6 +268,8 @@ def _rules() -> dict[Callable[..., Any], _Rule]:
     add(exact, F.multilabel_margin_loss)
     add(_divisor, torch.div, torch.divide, torch.true_divide, T.div, T.div_, T.divide, T.divide_)
     add(_divisor, T.true_divide, T.true_divide_, T.__truediv__, T.__itruediv__)
+    add(_gelu, F.gelu)
+    add(_silu, F.silu)
     return table
 
 

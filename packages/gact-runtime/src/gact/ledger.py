@@ -62,6 +62,7 @@ class SiteRecord:
     mask_bits: int = 0  # exact decision masks per element (NOTE [Exact decisions])
     mask_bytes: int = 0
     zero_exact: bool = False  # on gact-kernels' zero-exact grid (NOTE [Exact decisions])
+    table: bool = False  # may be stored as a derivative table (NOTE [Derivative tables])
 
 
 @dataclass
@@ -82,6 +83,7 @@ class Ledger:
         stored_bytes: int,
         *,
         zero_exact: bool = False,
+        table: bool = False,
     ) -> None:
         rec = self.current.get(key)
         if rec is None or rec.kind is not kind or rec.bits != bits:
@@ -94,6 +96,7 @@ class Ledger:
             self.current[key] = rec
         rec.shape = tuple(tensor.shape)
         rec.zero_exact = zero_exact
+        rec.table = rec.table or table
         rec.count += 1
         rec.numel += tensor.numel()
         rec.original_bytes += occupied_bytes(tensor)

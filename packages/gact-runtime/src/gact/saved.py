@@ -12,9 +12,9 @@ import gact_kernels
 import torch
 from torch import nn
 
-from . import decisions
+from . import decisions, pointwise
 from .decisions import DECISION_NODES, Decision, DecisionSpec
-from .errors import GactWarning
+from .errors import GactError, GactWarning
 from .ledger import Kind, Ledger, occupied_bytes
 from .params import ParameterFilter
 from .plan import BitPlan
@@ -124,9 +124,10 @@ class SavedKept(Saved):
 class SavedCompressed(Saved):
     """A compressed saved tensor: a ``gact_kernels.Compressed`` payload (or its swap ticket) and
     the exact decisions of the backward functions that branch on it (see NOTE [Exact decisions]
-    in decisions.py)."""
+    in decisions.py), or the derivative table its codes index (NOTE [Derivative tables] in
+    pointwise.py)."""
 
-    __slots__ = ("decision", "expand_to", "hooks", "payload", "ticket", "witness")
+    __slots__ = ("decision", "expand_to", "hooks", "payload", "table", "ticket", "witness")
 
     def __init__(
         self, tensor: torch.Tensor, key: str, payload: gact_kernels.Compressed, hooks: SaveHooks
@@ -136,6 +137,7 @@ class SavedCompressed(Saved):
         self.expand_to: torch.Size | None = None  # the payload is an expanded view's base
         self.hooks = hooks
         self.decision: Decision | None = None
+        self.table: pointwise.DerivativeTable | None = None
         swapper = hooks.swapper
         self.ticket: Ticket | None = None if swapper is None else swapper.offload(payload)
         self.payload = payload if self.ticket is None else None
@@ -165,15 +167,25 @@ class SavedCompressed(Saved):
         return self.decision.extend(tensor, spec, skip=skip)
 
     def _describe(self) -> str:
-        return _describe(self.held.dtype, self.witness.device, self.held.shape)
+        dtype = self.witness.dtype if self.table is not None else self.held.dtype
+        return _describe(dtype, self.witness.device, self.held.shape)
 
     def unpack(self) -> torch.Tensor:
         self._check(self.witness)
         payload = self.payload if self.ticket is None else self.hooks.swapper.fetch(self.ticket)
         values = gact_kernels.decompress(payload)
+        node = torch._C._current_autograd_node()
+        if self.table is not None:
+            if node is not None and decisions.node_family(node) != self.table.node:
+                raise GactError(
+                    f"{type(node).__name__} unpacked the input of a {self.table.function} call "
+                    f"saved at {self.key!r} as a derivative table, which only "
+                    f"{self.table.node} may read. This is a GACT bug: please report it; "
+                    "GactConfig(derivative_tables=False) avoids it"
+                )
+            return self.table.values(values, self.witness.dtype)
         if self.expand_to is not None:
             return values.expand(self.expand_to)  # never a decision input (see _treatment)
-        node = torch._C._current_autograd_node()
         if node is None or not isinstance(payload, gact_kernels.QuantizedTensor):
             return values
         name = type(node).__name__
@@ -306,6 +318,8 @@ class SaveHooks:
         key = self.tracker.next_key(tensor)
         spec = decisions.current_spec() if inside else None
         hit = self.live.get(tensor, self.tracker.generation)
+        if isinstance(hit, SavedCompressed) and hit.table is not None:
+            hit = None  # only the function's own backward may read a table (NOTE in pointwise.py)
         if hit is not None and spec is not None and spec.keeps(tensor):
             hit = hit if isinstance(hit, SavedKept) else None  # a compressed copy would not do
         if hit is not None:
@@ -341,7 +355,7 @@ class SaveHooks:
         compact = _compact(tensor)
         if compact is not None:  # an expanded view: its compact base is what is stored
             dense = occupied_bytes(compact) == compact.numel() * compact.element_size()
-            if spec is not None or not dense:
+            if (spec is not None and spec.decides) or not dense:
                 return Kind.KEPT
             tensor = compact
         if tensor.numel() < cfg.min_numel and not self.plan.probes(key):
@@ -362,6 +376,9 @@ class SaveHooks:
         group_size = self.plan.config.group_size
         compact = _compact(tensor)
         zero_exact = False
+        table: pointwise.DerivativeTable | None = None
+        # a GELU/SiLU input: the allocation counts a table's group header for it (see Items.of)
+        candidate = spec is not None and spec.derivative_id == id(tensor)
         with torch.no_grad():
             data = (tensor if compact is None else compact).detach()
             if tensor.dtype is torch.bool:
@@ -380,19 +397,47 @@ class SaveHooks:
                 if plan.config.spec.adaptive and key not in plan.two_valued:
                     # first sight of the key: see NOTE [Two-valued tensors] in adapt.py
                     plan.two_valued[key] = _two_valued(data)
-                seed = self.plan.seed_for(key, self.ledger.occurrences(key))
-                payload = gact_kernels.quantize(
-                    data, bits, group_size=group_size, seed=seed, zero_exact=zero_exact
-                )
+                table = self._derivative_table(tensor, spec, bits, compact is None)
+                if table is not None:
+                    payload = gact_kernels.pack_ints(table.codes(data), group_size=group_size)
+                else:
+                    seed = self.plan.seed_for(key, self.ledger.occurrences(key))
+                    payload = gact_kernels.quantize(
+                        data, bits, group_size=group_size, seed=seed, zero_exact=zero_exact
+                    )
                 kind = Kind.QUANTIZED
         saved = SavedCompressed(tensor, key, payload, self)
         if compact is not None:
             saved.expand_to = tensor.shape
-        self.live.add(tensor, saved, self.tracker.generation)
-        self.ledger.record(key, tensor, kind, bits, payload.nbytes, zero_exact=zero_exact)
+        if table is not None:
+            saved.table = table  # not in the live table: never shared (see pack_own)
+        else:
+            self.live.add(tensor, saved, self.tracker.generation)
+        self.ledger.record(
+            key, tensor, kind, bits, payload.nbytes, zero_exact=zero_exact, table=candidate
+        )
         if spec is not None and spec.predicates and kind is Kind.QUANTIZED:
             self._decide(saved, tensor, spec)
         return saved
+
+    def _derivative_table(
+        self, tensor: torch.Tensor, spec: DecisionSpec | None, bits: int, whole: bool
+    ) -> pointwise.DerivativeTable | None:
+        """The derivative table to store ``tensor`` with, if it qualifies (NOTE [Derivative
+        tables] in pointwise.py), else ``None``."""
+        if (
+            spec is None
+            or spec.derivative is None
+            or spec.derivative_id != id(tensor)
+            or not whole
+            or not self.plan.config.derivative_tables
+            or self.plan.probe is not None
+            or bits > pointwise.MAX_TABLE_BITS
+        ):
+            return None
+        table = pointwise.derivative_table(spec.derivative, bits)
+        better = pointwise.table_is_better(tensor, table, group_size=self.plan.config.group_size)
+        return table if better else None
 
     def _decide(self, saved: SavedCompressed, tensor: torch.Tensor, spec: DecisionSpec) -> None:
         added = saved.decide(tensor, spec)
