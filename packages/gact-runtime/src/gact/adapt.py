@@ -52,7 +52,9 @@ class Items:
     fixed_bytes: int
 
     @classmethod
-    def of(cls, sites: dict[str, SiteRecord], metadata_bits: float, two_valued: set[str]) -> Items:
+    def of(
+        cls, sites: dict[str, SiteRecord], metadata_bits: float, two_valued: dict[str, bool]
+    ) -> Items:
         rows = [
             (
                 r.key,

@@ -65,7 +65,7 @@ DERIVATIVES: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], str]] = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class DerivativeTable:
     """The intervals of a pointwise function's input and the derivative each one stands for.
 
@@ -91,12 +91,21 @@ class DerivativeTable:
 
     def codes(self, x: torch.Tensor) -> torch.Tensor:
         """The interval of each element of ``x``, as uint8 (same shape)."""
-        bounds = self.bounds.to(device=x.device, dtype=x.dtype)
+        bounds = _moved(self.function, self.bits, "bounds", x.device, x.dtype)
         return torch.bucketize(x, bounds).to(torch.uint8)
 
     def values(self, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The representative inputs of ``codes``, in ``dtype``."""
-        return self.inputs.to(device=codes.device, dtype=dtype)[codes.long()]
+        return _moved(self.function, self.bits, "inputs", codes.device, dtype)[codes.long()]
+
+
+@functools.lru_cache(maxsize=256)
+def _moved(
+    function: str, bits: int, field: str, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    """A field of ``derivative_table(function, bits)`` on ``device`` in ``dtype``, copied once
+    rather than at every save."""
+    return getattr(derivative_table(function, bits), field).to(device=device, dtype=dtype)
 
 
 @functools.cache
@@ -126,7 +135,9 @@ def derivative_table(function: str, bits: int) -> DerivativeTable:
         fine = torch.linspace(float(x[s]), float(x[e - 1]), 1 << 16, dtype=torch.float64)
         gap = (prime(fine) - level).abs()
         inputs.append(_refine(prime, fine[int(gap.argmin())], float(level), fine))
-    return DerivativeTable(function, bits, bounds, levels, torch.tensor(inputs, dtype=torch.float64))
+    return DerivativeTable(
+        function, bits, bounds, levels, torch.tensor(inputs, dtype=torch.float64)
+    )
 
 
 def _refine(
