@@ -328,3 +328,9 @@ def test_two_valued_tensors_get_1_exact_bit_and_free_the_budget(
     assert all(bits[1][k] > bits[0][k] for k in bits[1] if k != key)
     stored = [s for s in saved if isinstance(s, SavedCompressed) and s.key == key][-1]
     assert stored.payload.bits == 1 and torch.equal(gact_kernels.decompress(stored.payload), x)
+    # the report says why the tensor has 1 bit: it is stored exactly ("1e"), not rounded
+    row = next(line.split() for line in controller.report().splitlines() if line.startswith(key))
+    assert row[4] == "1e"
+    others = [line.split() for line in controller.report().splitlines()[2:] if "#" in line]
+    assert all(r[4] != "1e" for r in others if r[0] != key)
+    assert "e: exact" in controller.report()

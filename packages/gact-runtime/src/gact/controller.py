@@ -422,6 +422,8 @@ class Controller:
 
     def report(self) -> str:
         """A per-tensor table of the last completed step: key, shape, dtype, kind, bits (with
-        decision masks), sensitivity ± its standard error, saves, bytes and stored bytes, then
-        the totals and a legend of the columns."""
-        return self.ledger.table(self.plan.sensitivity, self.plan.stderr)
+        decision masks, zero-exact grids and exact two-valued tensors marked), sensitivity ± its
+        standard error, saves, bytes and stored bytes, then the totals and a legend of the
+        columns."""
+        exact = {key for key, two_valued in self.plan.two_valued.items() if two_valued}
+        return self.ledger.table(self.plan.sensitivity, self.plan.stderr, exact)

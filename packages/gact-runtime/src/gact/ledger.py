@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,8 +158,11 @@ class Ledger:
             "sites": len(activations),
         }
 
-    def table(self, sensitivity: dict[str, float], stderr: dict[str, float]) -> str:
-        """The per-tensor report (see ``Controller.report``)."""
+    def table(
+        self, sensitivity: dict[str, float], stderr: dict[str, float], exact: Collection[str]
+    ) -> str:
+        """The per-tensor report (see ``Controller.report``); ``exact`` are the keys of
+        two-valued tensors, which 1 bit stores exactly (NOTE [Two-valued tensors])."""
         records, _ = self.view()
         header = ("key", "shape", "dtype", "kind", "bits", "sensitivity", "count", "bytes",
                   "stored")  # fmt: skip
@@ -170,7 +174,7 @@ class Ledger:
                     "-" if rec.kind is Kind.PARAMETER else "x".join(map(str, rec.shape)) or "1",
                     str(rec.dtype).removeprefix("torch."),
                     rec.kind.value,
-                    _bits_cell(rec),
+                    _bits_cell(rec, rec.key in exact),
                     _sensitivity_cell(sensitivity.get(rec.key), stderr.get(rec.key)),
                     str(rec.count),
                     str(rec.original_bytes),
@@ -188,8 +192,10 @@ class Ledger:
         )
         lines.append(
             "bits: code bits per element (z: zero-exact grid, a ReLU output's zeros stay 0 and "
-            "its positives positive, no mask needed; +m: exact decision masks, 1 bit each); "
-            "sensitivity: "
+            "its positives positive, no mask needed; +m: exact decision masks, 1 bit each; "
+            "e: exact, a two-valued tensor such as binary features or a dropout's mask kept "
+            "as floats, which 1 bit stores without error, so its sensitivity is 0 and its "
+            "width is pinned); sensitivity: "
             "the gradient variance a tensor adds per unit of S(b) = 1/(2^b-1)^2, smoothed over "
             "adaptations, ± one standard error of the last estimate; bytes: as autograd would "
             "hold it; stored: what GACT holds (metadata and masks included)"
@@ -197,10 +203,15 @@ class Ledger:
         return "\n".join(lines)
 
 
-def _bits_cell(rec: SiteRecord) -> str:
+def _bits_cell(rec: SiteRecord, two_valued: bool) -> str:
     if rec.bits is None:
         return "-"
-    cell = f"{rec.bits}z" if rec.zero_exact else str(rec.bits)
+    if rec.zero_exact:
+        cell = f"{rec.bits}z"
+    elif two_valued and rec.bits == 1 and rec.kind is Kind.QUANTIZED:
+        cell = "1e"
+    else:
+        cell = str(rec.bits)
     return f"{cell}+{rec.mask_bits}m" if rec.mask_bits else cell
 
 
