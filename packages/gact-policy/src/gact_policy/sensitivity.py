@@ -56,6 +56,17 @@ SENSITIVITY_CAP: float = 1e10
 # it also counts the signal's own spread; coordinates of a CountSketch are close to independent).
 
 
+# NOTE [Floored estimates]
+# With the few probes an adaptation can afford (about sqrt(2L)), a pairwise estimate is noisy:
+# a negative inner product is clipped to 0, and on the GAT example a near-zero estimate of an
+# important tensor sent it to 1 bit. An estimate below its own standard error cannot be told
+# from noise, so allocations use ``max(estimate, stderr)``: an uncertain item is treated as
+# mattering as much as the noise allows. On the synthetic model (30 items, log-normal
+# sensitivities, the minimum probe count) 17% of raw estimates fall below a tenth of the true
+# sensitivity and none of the floored ones do (test_floored_estimates_rarely_underestimate). An
+# item whose probe differences are all exactly 0 keeps 0: its values do not reach the gradient.
+
+
 @dataclass(frozen=True)
 class SensitivityEstimate:
     """Sensitivity estimates and their standard errors (float64 arrays of the same length).
@@ -67,6 +78,16 @@ class SensitivityEstimate:
 
     value: np.ndarray
     stderr: np.ndarray
+
+    def floored(self) -> np.ndarray:
+        """Each estimate raised to at least its own standard error (see NOTE [Floored
+        estimates]).
+
+        Example:
+            >>> SensitivityEstimate(np.array([0.0, 2.0]), np.array([0.5, 0.5])).floored()
+            array([0.5, 2. ])
+        """
+        return np.maximum(self.value, self.stderr)
 
 
 @dataclass(frozen=True)

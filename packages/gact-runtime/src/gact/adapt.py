@@ -145,9 +145,7 @@ class Adapter:
             return
         start = time.perf_counter()
         estimate = self._probe(items, closure, run_closure)
-        # An estimate below its own standard error is noise: take one standard error instead,
-        # so that no tensor gets the fewest bits on the strength of a noisy near-zero estimate.
-        value = np.maximum(estimate.value, estimate.stderr)
+        value = estimate.floored()  # NOTE [Floored estimates] in gact_policy
         # keys seen for the first time start from their own estimate
         previous = [plan.sensitivity.get(k, float(e)) for k, e in zip(items.keys, value)]
         sensitivity = gact_policy.smooth(previous, value, cfg.sensitivity_momentum)
