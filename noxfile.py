@@ -161,7 +161,7 @@ def tests(session: nox.Session, suite: str) -> None:
         _install_stack(session)
         _pytest(session, PACKAGES["runtime"] / "tests", "gact", f"--ignore={INTEGRATIONS}")
     elif suite == "examples":
-        _install_stack(session, f"{EXAMPLES}[test]")
+        _install_stack(session, f"{EXAMPLES}[test,transformers]")
         _pytest(session, EXAMPLES / "tests", "gact_examples")
     else:
         integrations(session)

@@ -9,6 +9,7 @@ import pytest
 from gact_examples.train import REQUIRED_KEYS
 
 GNN, VISION, TEXT = "gnn/train_gnn.py", "vision/train_vision.py", "text/train_char_gpt.py"
+BERT = "hf/train_bert_classifier.py"
 TINY = {
     "gcn": (GNN, ["--model", "gcn", "--epochs", "2"]),
     "sage": (GNN, ["--model", "sage", "--epochs", "2"]),
@@ -29,6 +30,11 @@ TINY = {
             "--eval-batches",
             "2",
         ],
+    ),
+    "bert": (
+        BERT,
+        "--steps-per-epoch 3 --batch-size 4 --passage 8 --chunk 32 --classes 2 --n-embd 32 "
+        "--n-layer 1 --n-head 2".split(),
     ),
 }
 
@@ -51,6 +57,8 @@ def check_record(rec: dict, level: str) -> None:
 @pytest.mark.parametrize("level", ["L0", "L2"])
 @pytest.mark.parametrize("name", sorted(TINY))
 def test_script_main(name, level, data_root, tmp_path, script):
+    if name == "bert":
+        pytest.importorskip("transformers")  # examples[transformers], in tests(examples)
     path, extra = TINY[name]
     out = tmp_path / "r.json"
     argv = ["--data", str(data_root), "--seed", "1", "--device", "cpu", "--no-progress"]
@@ -59,7 +67,7 @@ def test_script_main(name, level, data_root, tmp_path, script):
     on_disk = json.loads(out.read_text())
     assert on_disk["model"] == rec["model"] and on_disk["seed"] == 1
     check_record(on_disk, level)
-    if name in ("gcn", "sage", "gat", "mnist", "cifar10"):
+    if name in ("gcn", "sage", "gat", "mnist", "cifar10", "bert"):
         assert 0.0 <= on_disk["final_metric"] <= 1.0
     else:
         assert on_disk["metric"] == "val_loss" and on_disk["final_metric"] > 0

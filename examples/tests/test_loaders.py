@@ -83,6 +83,31 @@ def test_load_char_corpus(data_root):
     assert d["train"].max() < len(d["chars"]) and d["chars"] == sorted(d["chars"])
 
 
+def test_load_passage_classes(tmp_path):
+    """Labels follow the part of the corpus, training passages stay inside training chunks,
+    held-out passages tile the held-out chunks."""
+    n, chunk, passage = 64 * 10 + 5, 64, 16
+    (tmp_path / "tinyshakespeare").mkdir()
+    (tmp_path / "tinyshakespeare" / "input.txt").write_text(" ".join(f"w{i}" for i in range(n)))
+    d = data.load_passage_classes(tmp_path, classes=2, passage=passage, chunk=chunk, test_every=5)
+    position = np.array([int(word[1:]) for word in d["vocab"]])  # token id -> corpus index
+    np.testing.assert_array_equal(position[d["ids"]], np.arange(n))
+    starts = position[d["ids"][d["train_starts"]]]
+    held_out = {4, 9}  # every 5th of the 10 whole chunks (the last 5 words are dropped)
+    assert len(starts) == 8 * (chunk - passage + 1) and len(set(starts)) == len(starts)
+    assert not held_out & set(starts // chunk) and (starts % chunk + passage <= chunk).all()
+    np.testing.assert_array_equal(d["train_y"], starts // chunk * 2 // 10)
+    expected = [c * chunk + t * passage for c in sorted(held_out) for t in range(4)]
+    np.testing.assert_array_equal(
+        position[d["test_x"]], np.array(expected)[:, None] + np.arange(passage)
+    )
+    np.testing.assert_array_equal(d["test_y"], [0] * 4 + [1] * 4)
+    with pytest.raises(ValueError, match="passage must be"):
+        data.load_passage_classes(tmp_path, passage=chunk + 1, chunk=chunk)
+    with pytest.raises(ValueError, match="held-out chunk"):
+        data.load_passage_classes(tmp_path, classes=4, chunk=chunk, passage=passage)
+
+
 def test_load_digits_split():
     d = data.load_digits_split()
     assert d["x_train"].shape[1:] == (8, 8) and d["x_train"].dtype == np.uint8

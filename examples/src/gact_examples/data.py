@@ -16,9 +16,11 @@ import hashlib
 import io
 import os
 import pickle
+import re
 import struct
 import sys
 import tarfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -32,9 +34,11 @@ __all__ = [
     "load_cifar10",
     "load_digits_split",
     "load_mnist",
+    "load_passage_classes",
     "load_planetoid",
     "read_idx",
     "resolve_dir",
+    "words",
 ]
 
 CIFAR10_CLASSES = (
@@ -262,17 +266,87 @@ def load_planetoid(data: str | os.PathLike, name: str = "cora") -> dict[str, np.
 # tiny-shakespeare (plain text, character level)
 
 
+def _corpus_ids(
+    data: str | os.PathLike, tokenize: Callable[[str], list[str]] = list
+) -> tuple[Path, list[str], np.ndarray]:
+    """The corpus file, its sorted vocabulary and the corpus as int64 ids into it."""
+    path = resolve_dir(data, "tinyshakespeare", "input.txt") / "input.txt"
+    tokens = tokenize(path.read_text(encoding="utf-8"))
+    vocab = sorted(set(tokens))
+    index = {t: i for i, t in enumerate(vocab)}
+    return path, vocab, np.fromiter((index[t] for t in tokens), dtype=np.int64, count=len(tokens))
+
+
 def load_char_corpus(data: str | os.PathLike, val_fraction: float = 0.1) -> dict:
     """Character-level corpus: vocabulary, int64 train/val token arrays (last 10% is val)."""
-    d = resolve_dir(data, "tinyshakespeare", "input.txt")
-    text = (d / "input.txt").read_text(encoding="utf-8")
-    if len(text) < 2:
-        raise ValueError(f"{d / 'input.txt'} is too short")
-    chars = sorted(set(text))
-    stoi = {c: i for i, c in enumerate(chars)}
-    ids = np.fromiter((stoi[c] for c in text), dtype=np.int64, count=len(text))
+    path, chars, ids = _corpus_ids(data)
+    if len(ids) < 2:
+        raise ValueError(f"{path} is too short")
     n_val = max(1, int(len(ids) * val_fraction))
     return {"chars": chars, "train": ids[:-n_val], "val": ids[-n_val:]}
+
+
+def words(text: str) -> list[str]:
+    """Lower-cased words and punctuation marks of ``text``, in order.
+
+    Example:
+        >>> words("Speak, ROMEO!  O'er")
+        ['speak', ',', 'romeo', '!', "o'er"]
+    """
+    return re.findall(r"[\w']+|[^\w\s]", text.lower())
+
+
+def load_passage_classes(
+    data: str | os.PathLike,
+    *,
+    classes: int = 8,
+    passage: int = 32,
+    chunk: int = 512,
+    test_every: int = 8,
+) -> dict:
+    """Which of ``classes`` equal parts of tiny-shakespeare a passage of words comes from.
+
+    The corpus (as :func:`words`) is cut into chunks of ``chunk`` tokens; chunk ``j`` of ``n``
+    belongs to part ``j * classes // n`` (its label), and every ``test_every``-th chunk is held
+    out. Training passages of ``passage`` tokens start anywhere inside a training chunk and end
+    inside it (none overlaps a held-out chunk); the held-out passages tile the held-out chunks
+    without overlap. The corpus is a run of plays, so the parts differ in characters' names
+    and subject: a topic classification.
+
+    Returns:
+        ``vocab`` (the tokens), ``ids`` (the whole corpus as int64 ids into it),
+        ``train_starts`` and ``train_y`` (every training passage's first index and label),
+        ``test_x`` (held-out passages, int64, N x ``passage``) and ``test_y``.
+
+    Raises:
+        ValueError: a passage longer than a chunk, or a corpus too short for every part to
+            hold a training and a held-out chunk.
+    """
+    if not 1 <= passage <= chunk:
+        raise ValueError(f"passage must be in [1, chunk={chunk}], got {passage}")
+    if classes < 2 or test_every < 2:
+        raise ValueError(f"need classes >= 2 and test_every >= 2, got {classes}, {test_every}")
+    path, vocab, ids = _corpus_ids(data, words)
+    n = len(ids) // chunk
+    if n < classes * test_every:
+        raise ValueError(
+            f"{path} has {n} chunks of {chunk} words; {classes} parts with a held-out chunk "
+            f"in every {test_every} need {classes * test_every}"
+        )
+    label = np.arange(n) * classes // n
+    held_out = np.arange(n) % test_every == test_every - 1
+    train, test = np.flatnonzero(~held_out), np.flatnonzero(held_out)
+    inside = np.arange(chunk - passage + 1)
+    tiles = np.arange(chunk // passage) * passage
+    test_starts = (test[:, None] * chunk + tiles).reshape(-1)
+    return {
+        "vocab": vocab,
+        "ids": ids,
+        "train_starts": (train[:, None] * chunk + inside).reshape(-1),
+        "train_y": np.repeat(label[train], len(inside)),
+        "test_x": ids[test_starts[:, None] + np.arange(passage)],
+        "test_y": np.repeat(label[test], len(tiles)),
+    }
 
 
 # --------------------------------------------------------------------------------------------

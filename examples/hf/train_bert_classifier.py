@@ -1,0 +1,147 @@
+"""A small BERT classifies tiny-shakespeare passages by the part of the corpus they come from.
+
+    python examples/hf/train_bert_classifier.py --data DATA
+    python examples/hf/train_bert_classifier.py --data DATA --gact --level L2
+
+DATA is the folder holding ``tinyshakespeare/input.txt``, or ``tinyshakespeare/`` itself. The
+model is ``transformers.BertForSequenceClassification`` built from a ``BertConfig`` (random
+weights, a word vocabulary plus a ``[CLS]`` token; nothing is downloaded); the task is
+:func:`gact_examples.data.load_passage_classes` (which of ``--classes`` equal parts of the
+corpus a passage of words comes from: the corpus is a run of plays, so the parts differ in
+characters' names and subject). The metric is the accuracy on the held-out chunks. This is the held-out
+transformer-classification check of the adaptive levels (BENCHMARKS.md); it needs
+``pip install "./examples[transformers]"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from gact_examples.data import load_passage_classes
+from gact_examples.train import Run, base_parser, check_args, finish, progress, setup
+from transformers import BertConfig, BertForSequenceClassification
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = base_parser(__doc__.splitlines()[0], epochs=1, batch_size=32)
+    p.add_argument("--steps-per-epoch", type=int, default=400)
+    p.add_argument("--classes", type=int, default=8, help="parts of the corpus to tell apart")
+    p.add_argument("--passage", type=int, default=32, help="words per passage")
+    p.add_argument("--chunk", type=int, default=512, help="words per chunk (see the task)")
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=128)
+    p.add_argument("--dropout", type=float, default=0.1)
+    args = p.parse_args(argv)
+    check_args(p, args, needs_data=True)
+    if args.classes < 2 or not 1 <= args.passage <= args.chunk:
+        p.error("--classes must be at least 2 and --passage in [1, --chunk]")
+    return args
+
+
+def build_model(vocab: int, args: argparse.Namespace) -> BertForSequenceClassification:
+    """A BERT encoder with a classification head, from a config (token ``vocab`` is [CLS])."""
+    config = BertConfig(
+        vocab_size=vocab + 1,
+        hidden_size=args.n_embd,
+        num_hidden_layers=args.n_layer,
+        num_attention_heads=args.n_head,
+        intermediate_size=4 * args.n_embd,
+        max_position_embeddings=args.passage + 1,
+        hidden_dropout_prob=args.dropout,
+        attention_probs_dropout_prob=args.dropout,
+        num_labels=args.classes,
+    )
+    return BertForSequenceClassification(config)
+
+
+def with_cls(passages: torch.Tensor, cls: int) -> torch.Tensor:
+    """``passages`` (B x T token ids) with the ``[CLS]`` token ``cls`` in front."""
+    return torch.cat([passages.new_full((len(passages), 1), cls), passages], dim=1)
+
+
+@torch.no_grad()
+def evaluate(
+    model: BertForSequenceClassification,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    batch_size: int,
+) -> tuple[float, float]:
+    """Mean cross-entropy and accuracy over every held-out passage."""
+    model.eval()
+    loss, correct = 0.0, 0
+    for i in range(0, len(x), batch_size):
+        logits = model(input_ids=x[i : i + batch_size]).logits
+        loss += float(F.cross_entropy(logits, y[i : i + batch_size], reduction="sum"))
+        correct += int((logits.argmax(1) == y[i : i + batch_size]).sum())
+    return loss / len(x), correct / len(x)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    device = setup(args)
+    task = load_passage_classes(
+        args.data, classes=args.classes, passage=args.passage, chunk=args.chunk
+    )
+    cls = len(task["vocab"])
+    test_x = with_cls(torch.from_numpy(task["test_x"]), cls).to(device)
+    test_y = torch.from_numpy(task["test_y"]).to(device)
+    ids = torch.from_numpy(task["ids"])
+    train_starts = torch.from_numpy(task["train_starts"])
+    train_y = torch.from_numpy(task["train_y"])
+    model = build_model(cls, args).to(device)
+    lr = args.lr or 1e-3
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    total = args.mem_steps if args.get_mem else args.epochs * args.steps_per_epoch
+    sched = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, lr, total_steps=max(total, 2), pct_start=0.1
+    )
+    gen = torch.Generator().manual_seed(args.seed)
+    offsets = torch.arange(args.passage)
+    xb = yb = None
+
+    def closure() -> torch.Tensor:
+        model.train()
+        loss = F.cross_entropy(model(input_ids=xb).logits, yb)
+        optimizer.zero_grad()
+        loss.backward()
+        return loss
+
+    with Run(args, model, device) as run:
+        bar = progress(range(total), args, desc=f"bert {run.level}")
+        for step in bar:
+            pick = torch.randint(0, len(train_starts), (args.batch_size,), generator=gen)
+            xb = with_cls(ids[train_starts[pick].unsqueeze(1) + offsets], cls).to(device)
+            yb = train_y[pick].to(device)
+            loss = run.step(closure)
+            optimizer.step()
+            sched.step()
+            if (step + 1) % 25 == 0:
+                bar.set_postfix(loss=f"{float(loss):.3f}")
+            if not args.get_mem and (step + 1) % args.steps_per_epoch == 0:
+                run.log_epoch(epoch=(step + 1) // args.steps_per_epoch, loss=float(loss))
+
+    test_loss, test_acc = (None, None) if args.get_mem else evaluate(model, test_x, test_y, 256)
+    rec = run.result(
+        model=f"bert-L{args.n_layer}-d{args.n_embd}",
+        dataset=f"tinyshakespeare-{args.classes}-parts",
+        metric="test_accuracy",
+        final_metric=test_acc,
+        item_unit="passages",
+        items_per_step=args.batch_size,
+        test_loss=test_loss,
+        test_passages=len(test_y),
+        batch_size=args.batch_size,
+        passage=args.passage,
+        steps_per_epoch=args.steps_per_epoch,
+        lr=lr,
+    )
+    return finish(args, run, rec)
+
+
+if __name__ == "__main__":
+    main()
