@@ -16,13 +16,13 @@ transformer-classification check of the adaptive levels (BENCHMARKS.md); it need
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from gact_examples.data import load_passage_classes
-from gact_examples.train import Run, base_parser, check_args, finish, progress, setup
+from gact_examples.train import Run, base_parser, check_args, finish, setup
 from transformers import BertConfig, BertForSequenceClassification
 
 
@@ -102,28 +102,30 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     gen = torch.Generator().manual_seed(args.seed)
     offsets = torch.arange(args.passage)
-    xb = yb = None
 
-    def closure() -> torch.Tensor:
-        model.train()
-        loss = F.cross_entropy(model(input_ids=xb).logits, yb)
-        optimizer.zero_grad()
-        loss.backward()
-        return loss
+    def next_closure() -> Callable[[], torch.Tensor]:
+        pick = torch.randint(0, len(train_starts), (args.batch_size,), generator=gen)
+        xb = with_cls(ids[train_starts[pick].unsqueeze(1) + offsets], cls).to(device)
+        yb = train_y[pick].to(device)
+
+        def closure() -> torch.Tensor:
+            model.train()
+            loss = F.cross_entropy(model(input_ids=xb).logits, yb)
+            optimizer.zero_grad()
+            loss.backward()
+            return loss
+
+        return closure
 
     with Run(args, model, device) as run:
-        bar = progress(range(total), args, desc=f"bert {run.level}")
-        for step in bar:
-            pick = torch.randint(0, len(train_starts), (args.batch_size,), generator=gen)
-            xb = with_cls(ids[train_starts[pick].unsqueeze(1) + offsets], cls).to(device)
-            yb = train_y[pick].to(device)
-            loss = run.step(closure)
-            optimizer.step()
-            sched.step()
-            if (step + 1) % 25 == 0:
-                bar.set_postfix(loss=f"{float(loss):.3f}")
-            if not args.get_mem and (step + 1) % args.steps_per_epoch == 0:
-                run.log_epoch(epoch=(step + 1) // args.steps_per_epoch, loss=float(loss))
+        run.train_steps(
+            next_closure,
+            optimizer,
+            sched,
+            total=total,
+            steps_per_epoch=args.steps_per_epoch,
+            desc=f"bert {run.level}",
+        )
 
     test_loss, test_acc = (None, None) if args.get_mem else evaluate(model, test_x, test_y, 256)
     rec = run.result(

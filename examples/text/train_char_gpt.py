@@ -9,14 +9,14 @@ DATA is the folder holding ``tinyshakespeare/input.txt``, or ``tinyshakespeare/`
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from gact_examples.data import load_char_corpus
 from gact_examples.models import CharGPT
-from gact_examples.train import Run, base_parser, check_args, finish, progress, setup
+from gact_examples.train import Run, base_parser, check_args, finish, setup
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -80,27 +80,29 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     gen = torch.Generator().manual_seed(args.seed)
     hi = len(train_ids) - args.block_size - 1
-    xb = yb = None
 
-    def closure() -> torch.Tensor:
-        model.train()
-        _, loss = model(xb, yb)
-        optimizer.zero_grad()
-        loss.backward()
-        return loss
+    def next_closure() -> Callable[[], torch.Tensor]:
+        starts = torch.randint(0, hi, (args.batch_size,), generator=gen)
+        xb, yb = sample_batch(train_ids, starts, args.block_size, device)
+
+        def closure() -> torch.Tensor:
+            model.train()
+            _, loss = model(xb, yb)
+            optimizer.zero_grad()
+            loss.backward()
+            return loss
+
+        return closure
 
     with Run(args, model, device) as run:
-        bar = progress(range(total), args, desc=f"char-gpt {run.level}")
-        for step in bar:
-            starts = torch.randint(0, hi, (args.batch_size,), generator=gen)
-            xb, yb = sample_batch(train_ids, starts, args.block_size, device)
-            loss = run.step(closure)
-            optimizer.step()
-            sched.step()
-            if (step + 1) % 25 == 0:
-                bar.set_postfix(loss=f"{float(loss):.3f}")
-            if not args.get_mem and (step + 1) % args.steps_per_epoch == 0:
-                run.log_epoch(epoch=(step + 1) // args.steps_per_epoch, loss=float(loss))
+        run.train_steps(
+            next_closure,
+            optimizer,
+            sched,
+            total=total,
+            steps_per_epoch=args.steps_per_epoch,
+            desc=f"char-gpt {run.level}",
+        )
 
     val = None if args.get_mem else evaluate(model, val_ids, args, device)
     rec = run.result(

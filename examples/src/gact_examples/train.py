@@ -297,6 +297,29 @@ class Run:
         self.step_times.append(time.perf_counter() - t)
         return loss.detach()
 
+    def train_steps(
+        self,
+        next_closure: Callable[[], Callable[[], torch.Tensor]],
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        *,
+        total: int,
+        steps_per_epoch: int,
+        desc: str,
+    ) -> None:
+        """The loop of the step-based examples (text): ``total`` steps, each on the closure
+        that ``next_closure()`` returns for a fresh batch, then the optimizer and scheduler
+        steps; one history entry (the last loss) every ``steps_per_epoch`` steps."""
+        bar = progress(range(total), self.args, desc=desc)
+        for step in bar:
+            loss = self.step(next_closure())
+            optimizer.step()
+            scheduler.step()
+            if (step + 1) % 25 == 0:
+                bar.set_postfix(loss=f"{float(loss):.3f}")
+            if not self.args.get_mem and (step + 1) % steps_per_epoch == 0:
+                self.log_epoch(epoch=(step + 1) // steps_per_epoch, loss=float(loss))
+
     def log_epoch(self, **values: Any) -> None:
         """Append one entry (epoch, loss, validation metrics, ...) to the record's history."""
         self.history.append(values)
