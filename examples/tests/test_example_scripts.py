@@ -114,6 +114,16 @@ def test_l3_on_cpu_runs_as_l2(data_root, script):
     assert recs["L3"]["final_metric"] == recs["L2"]["final_metric"]
 
 
+def test_report_at_the_end_of_a_training_run(data_root, capsys, script):
+    """--report prints the per-tensor table after a normal run (not only a memory run)."""
+    argv = ["--data", str(data_root), "--model", "gcn", "--epochs", "2", "--no-progress"]
+    script(GNN).main([*argv, "--gact", "--level", "L2", "--report"])
+    out = capsys.readouterr().out
+    assert "sensitivity" in out and "conv1.lin#0:float32:2d" in out
+    script(GNN).main([*argv, "--gact", "--level", "L2"])
+    assert "conv1.lin#0:float32:2d" not in capsys.readouterr().out
+
+
 def test_missing_data_folder_is_a_usage_error(script, monkeypatch, capsys):
     monkeypatch.delenv("GACT_DATA", raising=False)
     with pytest.raises(SystemExit) as exc:

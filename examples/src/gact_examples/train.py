@@ -124,6 +124,11 @@ def base_parser(
         help="memory run: train --mem-steps steps only, print the memory breakdown, no eval",
     )
     p.add_argument("--mem-steps", type=int, default=5)
+    p.add_argument(
+        "--report",
+        action="store_true",
+        help="print the controller's per-tensor report (bits, sensitivity ± SE) at the end",
+    )
     p.add_argument("--json", default=None, metavar="FILE", help="write the results here")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -428,9 +433,10 @@ def fmt_bytes(n: float | None) -> str:
 
 
 def finish(args: argparse.Namespace, run: Run, rec: dict[str, Any]) -> dict[str, Any]:
-    """The end of every script: the per-tensor report (``--get-mem``), the JSON, the summary."""
+    """The end of every script: the per-tensor report (``--get-mem``, ``--report``), the JSON,
+    the summary."""
     report = run.report()
-    if args.get_mem and report:
+    if (args.get_mem or args.report) and report:
         print(report)
     write_json(args.json, rec)
     print_summary(rec)
