@@ -1,6 +1,6 @@
 """Why adaptive bits can lose to uniform ones: sensitivity estimators against the truth.
 
-For the char-GPT and GAT examples, at initialisation and after some fp32 training steps, this
+For the char-GPT, GAT and BERT-classifier examples, at initialisation and after some fp32 training steps, this
 measures per saved tensor (per *item*):
 
 - the *true* effect of quantizing that tensor alone at 2, 4 and 8 bits, every other tensor kept
@@ -16,6 +16,7 @@ truth, bias^2 against variance per op kind, and the bits each allocation gives.
 
     python examples/diagnose_adaptation.py --data ../shared/data --model char-gpt
     python examples/diagnose_adaptation.py --data ../shared/data --model gat --steps 0,100,250
+    python examples/diagnose_adaptation.py --data ../shared/data --model bert --steps 0,300
 """
 
 from __future__ import annotations
@@ -36,19 +37,22 @@ from gact.adapt import Items
 from gact.plan import mix_seed
 from gact.probes import ProbeSession
 from gact.saved import SavedCompressed
-from gact_examples.data import load_char_corpus, load_planetoid
-from gact_examples.models import GNN, CharGPT
+from gact_examples.data import load_char_corpus, load_passage_classes, load_planetoid
+from gact_examples.models import GNN, CharGPT, bert_classifier, with_cls
 
 FULL = gact_policy.FULL_PRECISION
 WIDTHS = (2, 4, 8)
 
 
-def char_gpt_task(data: str, seed: int) -> tuple[torch.nn.Module, Callable, Callable]:
-    """The char-GPT example's default model, optimizer and a fixed probe batch."""
+def char_gpt_task(
+    data: str, seed: int, layers: int | None
+) -> tuple[torch.nn.Module, Callable, Callable]:
+    """The char-GPT example's default model (``layers`` blocks, default 2), optimizer and a
+    fixed probe batch."""
     corpus = load_char_corpus(data)
     ids = torch.from_numpy(corpus["train"])
     torch.manual_seed(seed)
-    model = CharGPT(len(corpus["chars"]), 64, 2, 4, 128, 0.1)
+    model = CharGPT(len(corpus["chars"]), 64, layers or 2, 4, 128, 0.1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     gen = torch.Generator().manual_seed(seed)
 
@@ -74,8 +78,10 @@ def char_gpt_task(data: str, seed: int) -> tuple[torch.nn.Module, Callable, Call
     return model, train_step, closure
 
 
-def gat_task(data: str, seed: int) -> tuple[torch.nn.Module, Callable, Callable]:
-    """The GAT example on Cora (full batch)."""
+def gat_task(
+    data: str, seed: int, layers: int | None
+) -> tuple[torch.nn.Module, Callable, Callable]:
+    """The GAT example on Cora (full batch; always two layers)."""
     d = load_planetoid(data, "cora")
     x, y = torch.from_numpy(d["x"]), torch.from_numpy(d["y"])
     train_idx = torch.from_numpy(d["train_idx"])
@@ -96,7 +102,43 @@ def gat_task(data: str, seed: int) -> tuple[torch.nn.Module, Callable, Callable]
     return model, train_step, closure
 
 
-TASKS = {"char-gpt": char_gpt_task, "gat": gat_task}
+def bert_task(
+    data: str, seed: int, layers: int | None
+) -> tuple[torch.nn.Module, Callable, Callable]:
+    """The BERT classifier example's default model (``layers`` encoder layers, default 4) and
+    optimizer (constant learning rate)."""
+    task = load_passage_classes(data)
+    cls, passage = len(task["vocab"]), task["test_x"].shape[1]
+    ids, starts = torch.from_numpy(task["ids"]), torch.from_numpy(task["train_starts"])
+    labels = torch.from_numpy(task["train_y"])
+    torch.manual_seed(seed)
+    model = bert_classifier(cls, int(labels.max()) + 1, length=passage, n_layer=layers or 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    gen = torch.Generator().manual_seed(seed)
+
+    def batch() -> tuple[torch.Tensor, torch.Tensor]:
+        pick = torch.randint(0, len(starts), (32,), generator=gen)
+        return with_cls(ids[starts[pick].unsqueeze(1) + torch.arange(passage)], cls), labels[pick]
+
+    probe = batch()
+
+    def loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        model.train()
+        return F.cross_entropy(model(input_ids=x).logits, y)
+
+    def train_step() -> None:
+        optimizer.zero_grad()
+        loss(*batch()).backward()
+        optimizer.step()
+
+    def closure() -> None:
+        model.zero_grad()
+        loss(*probe).backward()
+
+    return model, train_step, closure
+
+
+TASKS = {"char-gpt": char_gpt_task, "gat": gat_task, "bert": bert_task}
 
 
 def consumers_of(controller: Controller, closure: Callable[[], None]) -> dict[str, set[str]]:
@@ -199,7 +241,7 @@ def diagnose(model: torch.nn.Module, closure: Callable[[], None], args: argparse
     controller = Controller(model, cfg)
     with controller:
         consumers = consumers_of(controller, closure)
-        items = Items.of(controller.ledger.current, cfg.overhead_bits)
+        items = Items.of(controller.ledger.current, cfg.overhead_bits, controller.plan.two_valued)
         probe_bits = np.full(len(items.keys), controller.plan.default_bits, dtype=np.int64)
         with ProbeSession(
             model, controller.plan, controller.hooks, closure, controller.run_closure,
@@ -216,6 +258,8 @@ def diagnose(model: torch.nn.Module, closure: Callable[[], None], args: argparse
         "keys": items.keys,
         "numel": items.numel.tolist(),
         "mask_bits": (items.overhead_bits - cfg.overhead_bits).tolist(),
+        "lower": items.lower.tolist(),
+        "pinned": items.pinned.tolist(),
         "consumers": [sorted(consumers.get(k, ())) for k in items.keys],
         "probe_bits": int(probe_bits[0]),
         "estimates": est,
@@ -234,9 +278,11 @@ def _c(rec: dict[str, Any], width: int, what: str = "mse") -> np.ndarray:
 
 
 def _floored(rec: dict[str, Any]) -> np.ndarray:
-    """The pairwise estimates as the runtime uses them: at least one standard error."""
+    """The pairwise estimates as the runtime uses them (NOTE [Floored estimates])."""
     est = rec["estimates"]
-    return np.maximum(est["pairwise"], est.get("pairwise_stderr", 0.0))
+    value = np.array(est["pairwise"])
+    stderr = np.array(est.get("pairwise_stderr", np.zeros_like(value)))
+    return gact_policy.SensitivityEstimate(value, stderr).floored()
 
 
 def true_mse(rec: dict[str, Any], bits: np.ndarray) -> float:
@@ -283,9 +329,12 @@ def report(paths: list[str], plot_path: str | None) -> str:
             )
         late = recs[-1]
 
-        def alloc(c: np.ndarray, n: np.ndarray = n) -> np.ndarray:
+        def alloc(c: np.ndarray, n: np.ndarray = n, late: dict[str, Any] = recs[-1]) -> np.ndarray:
+            """L2's allocation for sensitivities ``c``, with the runtime's smallest widths and
+            pinned two-valued items where the record has them."""
             c = np.maximum(np.asarray(c, dtype=float), 1e-12)
-            return gact_policy.allocate_bits(c, n, 4.0, overhead_bits=0.25)
+            limits = {k: np.array(late[k]) for k in ("lower", "pinned") if k in late}
+            return gact_policy.allocate_bits(c, n, 4.0, overhead_bits=0.25, **limits)
 
         candidates = {
             "uniform 3 bits": np.full(n.size, 3),
@@ -369,6 +418,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", default="0,100,250", help="fp32 training steps at which to measure")
     p.add_argument("--seeds", type=int, default=8, help="rounding seeds per item and width")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=int, default=None, help="char-gpt, bert: model depth")
     p.add_argument("--min-numel", type=int, default=1024)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default="diagnose.json")
@@ -380,7 +430,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, train_step, closure = TASKS[args.model](args.data, args.seed)
+    model, train_step, closure = TASKS[args.model](args.data, args.seed, args.layers)
     checkpoints = sorted(int(s) for s in args.steps.split(","))
     records, done = [], 0
     for step in checkpoints:

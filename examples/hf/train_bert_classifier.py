@@ -22,8 +22,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from gact_examples.data import load_passage_classes
+from gact_examples.models import bert_classifier, with_cls
 from gact_examples.train import Run, base_parser, check_args, finish, setup
-from transformers import BertConfig, BertForSequenceClassification
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -43,30 +43,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def build_model(vocab: int, args: argparse.Namespace) -> BertForSequenceClassification:
-    """A BERT encoder with a classification head, from a config (token ``vocab`` is [CLS])."""
-    config = BertConfig(
-        vocab_size=vocab + 1,
-        hidden_size=args.n_embd,
-        num_hidden_layers=args.n_layer,
-        num_attention_heads=args.n_head,
-        intermediate_size=4 * args.n_embd,
-        max_position_embeddings=args.passage + 1,
-        hidden_dropout_prob=args.dropout,
-        attention_probs_dropout_prob=args.dropout,
-        num_labels=args.classes,
-    )
-    return BertForSequenceClassification(config)
-
-
-def with_cls(passages: torch.Tensor, cls: int) -> torch.Tensor:
-    """``passages`` (B x T token ids) with the ``[CLS]`` token ``cls`` in front."""
-    return torch.cat([passages.new_full((len(passages), 1), cls), passages], dim=1)
-
-
 @torch.no_grad()
 def evaluate(
-    model: BertForSequenceClassification,
+    model: torch.nn.Module,
     x: torch.Tensor,
     y: torch.Tensor,
     batch_size: int,
@@ -93,7 +72,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ids = torch.from_numpy(task["ids"])
     train_starts = torch.from_numpy(task["train_starts"])
     train_y = torch.from_numpy(task["train_y"])
-    model = build_model(cls, args).to(device)
+    model = bert_classifier(
+        cls,
+        args.classes,
+        length=args.passage,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+        dropout=args.dropout,
+    ).to(device)
     lr = args.lr or 1e-3
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     total = args.mem_steps if args.get_mem else args.epochs * args.steps_per_epoch

@@ -1,4 +1,5 @@
-"""The example models, in plain PyTorch: nothing in them knows about GACT.
+"""The example models, in plain PyTorch, and a BERT classifier from ``transformers``: nothing in
+them knows about GACT.
 
 Example:
     >>> import torch
@@ -8,8 +9,9 @@ Example:
 
 from __future__ import annotations
 
+from .bert import bert_classifier, with_cls
 from .char_gpt import CharGPT
 from .gnn import GNN, Graph
 from .resnet import ResNetSmall
 
-__all__ = ["GNN", "CharGPT", "Graph", "ResNetSmall"]
+__all__ = ["GNN", "CharGPT", "Graph", "ResNetSmall", "bert_classifier", "with_cls"]

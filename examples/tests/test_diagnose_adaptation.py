@@ -1,0 +1,40 @@
+"""diagnose_adaptation.py on tiny data: true per-tensor errors, estimates, the report."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+
+@pytest.mark.parametrize("model", ["char-gpt", "bert"])
+def test_diagnosis_measures_truth_and_estimates(model, data_root, tmp_path, script, capsys):
+    if model == "bert":
+        pytest.importorskip("transformers")  # examples[transformers], in tests(examples)
+        data_root = tmp_path / "words"  # the passage task needs 64 chunks of 512 words
+        (data_root / "tinyshakespeare").mkdir(parents=True)
+        words = np.random.default_rng(0).integers(0, 200, 64 * 512 + 7)
+        (data_root / "tinyshakespeare" / "input.txt").write_text(" ".join(f"w{w}" for w in words))
+    diagnose = script("diagnose_adaptation.py")
+    out = tmp_path / "d.json"
+    argv = ["--data", str(data_root), "--model", model, "--steps", "0,1", "--seeds", "2"]
+    diagnose.main([*argv, "--out", str(out), "--threads", "1", "--layers", "1"])
+    recs = json.loads(out.read_text())["records"]
+    assert [r["step"] for r in recs] == [0, 1]
+    for rec in recs:
+        n = len(rec["keys"])
+        assert n > 0 and len(rec["numel"]) == len(rec["pinned"]) == len(rec["lower"]) == n
+        truth = rec["truth"]
+        mse = {w: np.array(truth[w]["mse"]) for w in ("2", "4", "8")}
+        assert all(len(v) == n and (v >= 0).all() for v in mse.values())
+        # rounding at 2 bits perturbs the gradient far more than at 8 bits
+        assert mse["2"].sum() > 100 * mse["8"].sum() > 0
+        assert len(rec["estimates"]["pairwise"]) == len(rec["estimates"]["reference"]) == n
+    if model == "bert":  # dropout masks are two-valued: pinned, and quantizing them costs 0
+        pinned = np.array(recs[0]["pinned"]) == 1
+        assert pinned.any() and (np.array(recs[0]["truth"]["2"]["mse"])[pinned] == 0).all()
+    capsys.readouterr()
+    diagnose.main(["--report", str(out)])
+    table = capsys.readouterr().out
+    assert "rank corr." in table and "probed at step 1 (pairwise, as the runtime)" in table
