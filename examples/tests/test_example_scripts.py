@@ -73,6 +73,17 @@ def test_script_main(name, level, data_root, tmp_path, script):
         assert on_disk["metric"] == "val_loss" and on_disk["final_metric"] > 0
 
 
+def test_trainer_example(data_root, tmp_path, script):
+    """hf/train_trainer.py: GPT-2 from a config under transformers' Trainer, GACT as a callback."""
+    pytest.importorskip("accelerate")  # examples[transformers], in tests(examples)
+    out = tmp_path / "trainer.json"
+    argv = ["--data", str(data_root), "--level", "L2", "--steps", "2", "--batch-size", "2"]
+    argv += "--block-size 16 --n-layer 1 --n-embd 32 --n-head 2 --eval-blocks 2".split()
+    rec = script("hf/train_trainer.py").main([*argv, "--out", str(out)])
+    assert json.loads(out.read_text())["level"] == "L2" and rec["steps"] == 2
+    assert math.isfinite(rec["eval_loss"]) and rec["saved_activation_ratio"] > 4
+
+
 def test_fp32_without_gact(data_root, script):
     rec = script(GNN).main(["--data", str(data_root), "--epochs", "2", "--no-progress"])
     assert rec["level"] == "fp32" and rec["original_bytes"] is None
