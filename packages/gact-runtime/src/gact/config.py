@@ -74,7 +74,8 @@ class GactConfig:
             without probes, NOTE [Prior allocation]); ``0`` is the original GACT's schedule:
             probes at step 0 and every ``adapt_interval`` steps.
         adapt_budget: probing adaptations (but one at step 0) wait while they would make the
-            time spent adapting exceed this fraction of the training time.
+            time spent adapting exceed this fraction of the training time, were they 25% dearer
+            than predicted (``gact_policy.AdaptationSchedule``'s ``margin``).
         sensitivity_method: ``"pairwise"`` (``gact_policy.pairwise_sensitivity``: about
             ``sqrt(2L)`` probes for ``L`` tensors, each re-seeding a set of tensors) or ``"probe"``
             (``gact_policy.probe_sensitivity``, the paper's Algorithm 1: ``L + 1`` probes).
