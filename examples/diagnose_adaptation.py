@@ -392,8 +392,13 @@ def _plot(data: list[dict[str, Any]], path: str) -> None:
     for ax, d in zip(axes, data):
         rec = d["records"][-1]
         truth = _c(rec, 4)
-        for key, mark in (("pairwise", "o"), ("reference", "x")):
-            ax.scatter(truth, np.maximum(rec["estimates"][key], 1e-9), marker=mark, label=key)
+        series = {
+            "pairwise": rec["estimates"]["pairwise"],
+            "pairwise, floored (as the runtime)": _floored(rec),
+            "reference": rec["estimates"]["reference"],
+        }
+        for (label, values), mark in zip(series.items(), ("o", ".", "x")):
+            ax.scatter(truth, np.maximum(values, 1e-9), marker=mark, label=label)
         lo, hi = truth[truth > 0].min(), truth.max()
         ax.plot([lo, hi], [lo, hi], "k--", lw=0.8)
         ax.set(xscale="log", yscale="log", xlabel="true sensitivity (MSE / S(4))",
