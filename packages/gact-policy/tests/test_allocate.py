@@ -240,6 +240,19 @@ def test_special_sensitivities() -> None:
         allocate_bits([1.0, -1.0], [10, 10], 4.0)
 
 
+def test_insensitive_items_take_their_cheapest_width() -> None:
+    """A zero sensitivity adds no variance at any width, so the budget left over is not spent
+    on it (a CiteSeer GCN at L2 kept a 3 MB tensor of sensitivity 0, saved only for its shape,
+    at full precision): it takes its smallest allowed width, a pin still wins."""
+    c, n = np.array([0.0, 1.0, 0.0, 0.0]), np.full(4, 1000)
+    bits = allocate_bits(c, n, 20.0, lower=[2, 1, 1, 1], pinned=[0, 0, 4, 0])
+    assert bits.tolist() == [2, 32, 4, 1]
+    for method in ("exact", "greedy"):
+        a = allocate(c, n, 20.0, method=method)
+        assert a.bits.tolist() == [1, 32, 1, 1] and a.variance == 0.0 and a.optimal
+        assert a.storage_bits == 3 * 1000 + 32 * 1000
+
+
 def test_zero_sizes_and_full_precision_reporting() -> None:
     bits = allocate_bits([1.0, 1.0, 0.0], [0, 10, 0], 4.0, full_bits=[16, 32, 32])
     assert bits[0] == 16  # costs nothing: kept

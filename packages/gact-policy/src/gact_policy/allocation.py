@@ -240,7 +240,7 @@ def allocate(
         exact=method == "exact",
         max_states=max_states,
     )
-    choice = _canonical(sol.choice, scaled, costs)
+    choice = _cheapest_when_insensitive(_canonical(sol.choice, scaled, costs), scaled, costs)
     bits = costs.bits(choice)
     variance = float(np.sum(scaled * variance_factor(bits)))
     used = int(costs.w[np.arange(n), choice].sum())
@@ -278,7 +278,8 @@ def allocate_bits(
     NaN/+inf count as twice the largest finite value (most sensitive). Among equally good
     allocations, interchangeable items (same size, bounds and costs) get widths in order of
     decreasing sensitivity, ties to the lower index, so the result is deterministic and
-    monotone.
+    monotone; items of zero sensitivity take their cheapest allowed width, so budget left over
+    is not spent on them.
 
     The time and memory are bounded for every input (see ``max_states``); :func:`allocate`
     also reports whether the result is proven optimal and its largest possible distance from
@@ -370,6 +371,26 @@ def _canonical(choice: np.ndarray, c: np.ndarray, costs: _problem.Costs) -> np.n
     ranked = np.sort(group[order] * width + (width - 1 - choice[sub[order]]))
     out = choice.copy()
     out[sub[order]] = width - 1 - ranked % width
+    return out
+
+
+def _cheapest_when_insensitive(
+    choice: np.ndarray, c: np.ndarray, costs: _problem.Costs
+) -> np.ndarray:
+    """Items of zero sensitivity at their cheapest allowed choice.
+
+    Their width adds no variance, so any is optimal; a budget with room to spare would
+    otherwise leave them wide (a tensor saved only for its shape, or read only through an exact
+    decision). The variance is unchanged and the storage never grows; a choice already as cheap
+    as any stays.
+    """
+    rows = np.flatnonzero(c == 0.0)
+    if rows.size == 0:
+        return choice
+    w = np.where(costs.ok[rows], costs.w[rows], np.iinfo(np.int64).max)
+    dearer = w[np.arange(rows.size), choice[rows]] > w.min(axis=1)
+    out = choice.copy()
+    out[rows[dearer]] = w[dearer].argmin(axis=1)
     return out
 
 
