@@ -16,7 +16,7 @@ transformer-classification check of the adaptive levels (BENCHMARKS.md); it need
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -82,33 +82,23 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         dropout=args.dropout,
     ).to(device)
     lr = args.lr or 1e-3
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     total = args.mem_steps if args.get_mem else args.epochs * args.steps_per_epoch
-    sched = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, lr, total_steps=max(total, 2), pct_start=0.1
-    )
     gen = torch.Generator().manual_seed(args.seed)
     offsets = torch.arange(args.passage)
 
-    def next_closure() -> Callable[[], torch.Tensor]:
+    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
         pick = torch.randint(0, len(train_starts), (args.batch_size,), generator=gen)
         xb = with_cls(ids[train_starts[pick].unsqueeze(1) + offsets], cls).to(device)
-        yb = train_y[pick].to(device)
+        return xb, train_y[pick].to(device)
 
-        def closure() -> torch.Tensor:
-            model.train()
-            loss = F.cross_entropy(model(input_ids=xb).logits, yb)
-            optimizer.zero_grad()
-            loss.backward()
-            return loss
-
-        return closure
+    def loss_of(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return F.cross_entropy(model(input_ids=batch[0]).logits, batch[1])
 
     with Run(args, model, device) as run:
         run.train_steps(
-            next_closure,
-            optimizer,
-            sched,
+            next_batch,
+            loss_of,
+            lr=lr,
             total=total,
             steps_per_epoch=args.steps_per_epoch,
             desc=f"bert {run.level}",

@@ -9,7 +9,7 @@ DATA is the folder holding ``tinyshakespeare/input.txt``, or ``tinyshakespeare/`
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -73,32 +73,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         len(corpus["chars"]), args.block_size, args.n_layer, args.n_head, args.n_embd, args.dropout
     ).to(device)
     lr = args.lr or 3e-3
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     total = args.mem_steps if args.get_mem else args.epochs * args.steps_per_epoch
-    sched = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, lr, total_steps=max(total, 2), pct_start=0.1
-    )
     gen = torch.Generator().manual_seed(args.seed)
     hi = len(train_ids) - args.block_size - 1
 
-    def next_closure() -> Callable[[], torch.Tensor]:
+    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
         starts = torch.randint(0, hi, (args.batch_size,), generator=gen)
-        xb, yb = sample_batch(train_ids, starts, args.block_size, device)
-
-        def closure() -> torch.Tensor:
-            model.train()
-            _, loss = model(xb, yb)
-            optimizer.zero_grad()
-            loss.backward()
-            return loss
-
-        return closure
+        return sample_batch(train_ids, starts, args.block_size, device)
 
     with Run(args, model, device) as run:
         run.train_steps(
-            next_closure,
-            optimizer,
-            sched,
+            next_batch,
+            lambda batch: model(*batch)[1],
+            lr=lr,
             total=total,
             steps_per_epoch=args.steps_per_epoch,
             desc=f"char-gpt {run.level}",

@@ -48,6 +48,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+B = TypeVar("B")
 LEVELS = tuple(gact.LEVELS)
 # Every JSON record carries at least these keys (the benchmark, the demo and the tests rely on
 # them; see "The JSON record" in examples/README.md).
@@ -239,6 +240,7 @@ class Run:
         self, args: argparse.Namespace, model: torch.nn.Module, device: torch.device
     ) -> None:
         self.args = args
+        self.model = model
         self.device = device
         self.controller = self._make_controller(model, args)
         self.memory = MemoryMeter(device)
@@ -304,20 +306,34 @@ class Run:
 
     def train_steps(
         self,
-        next_closure: Callable[[], Callable[[], torch.Tensor]],
-        optimizer: torch.optim.Optimizer,
-        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        next_batch: Callable[[], B],
+        loss_of: Callable[[B], torch.Tensor],
         *,
+        lr: float,
         total: int,
         steps_per_epoch: int,
         desc: str,
     ) -> None:
-        """The loop of the step-based examples (text): ``total`` steps, each on the closure
-        that ``next_closure()`` returns for a fresh batch, then the optimizer and scheduler
-        steps; one history entry (the last loss) every ``steps_per_epoch`` steps."""
+        """The loop of the step-based examples (text): AdamW (weight decay 0.01) with a
+        one-cycle schedule (10% warm-up) over ``total`` steps, each on a fresh batch from
+        ``next_batch()`` with the loss ``loss_of(batch)``; one history entry (the last loss)
+        every ``steps_per_epoch`` steps."""
+        optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.01)
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(
+            optimizer, lr, total_steps=max(total, 2), pct_start=0.1
+        )
         bar = progress(range(total), self.args, desc=desc)
         for step in bar:
-            loss = self.step(next_closure())
+            batch = next_batch()
+
+            def closure() -> torch.Tensor:
+                self.model.train()
+                loss = loss_of(batch)  # noqa: B023 (runs before the next batch is drawn)
+                optimizer.zero_grad()
+                loss.backward()
+                return loss
+
+            loss = self.step(closure)
             optimizer.step()
             scheduler.step()
             if (step + 1) % 25 == 0:
