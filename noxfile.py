@@ -161,7 +161,8 @@ def tests(session: nox.Session, suite: str) -> None:
         _install_stack(session)
         _pytest(session, PACKAGES["runtime"] / "tests", "gact", f"--ignore={INTEGRATIONS}")
     elif suite == "examples":
-        _install_stack(session, f"{EXAMPLES}[test,transformers]")
+        # transformers: the hf/ scripts; pyg: pyg/cora_fidelity.py
+        _install_stack(session, f"{EXAMPLES}[test,transformers]", runtime_extras="test,pyg")
         _pytest(session, EXAMPLES / "tests", "gact_examples")
     else:
         integrations(session)

@@ -1,0 +1,26 @@
+"""examples/memory_breakdown.py on tiny MNIST: one process per level, every sample labelled with
+its phase, an adaptation's peak shown at the adaptive level, the table and the timeline written."""
+
+from __future__ import annotations
+
+import json
+
+
+def test_levels_in_their_own_processes(data_root, tmp_path, script):
+    out_json, out_png = tmp_path / "m.json", tmp_path / "m.png"
+    argv = ["--data", str(data_root), "--tasks", "mnist", "--levels", "L0,L2", "--steps", "2"]
+    argv += ["--threads", "1", "--json", str(out_json), "--out", str(out_png)]
+    script("memory_breakdown.py").main(argv)
+    fp32, l2 = json.loads(out_json.read_text())
+    assert (fp32["level"], l2["level"]) == ("L0", "L2")
+    assert fp32["stored_bytes"] == fp32["saved_bytes"] > 0  # L0 stores what autograd saves
+    assert l2["saved_bytes"] == fp32["saved_bytes"]  # same model, same batch, same saves
+    assert 0 < l2["stored_bytes"] < l2["saved_bytes"] / 6
+    phases = {p for _, p, _ in l2["samples"]}
+    # (a small model's optimizer step can fall between two samples: not required)
+    assert {"no-grad forward", "forward", "backward", "adaptation"} <= phases
+    assert "adaptation" not in {p for _, p, _ in fp32["samples"]}  # L0 never probes
+    assert fp32["peak_bytes"] == max(
+        fp32["peak_by_phase"][p] for p in ("forward", "backward", "adaptation", "optimizer")
+    )
+    assert out_png.stat().st_size > 10_000
