@@ -125,8 +125,10 @@ def measure(task: str, level: str, args: argparse.Namespace) -> dict[str, Any]:
     sampler.phase = "done"
     sampler.stop()
     st = controller.stats()
+    # a phase with no sample (L0 and L1 never adapt; a short optimizer step can fall between two
+    # samples) has no peak: None, shown as "-", never as 0
     peaks = {
-        phase: max((m for _, p, m in sampler.samples if p == phase), default=baseline) - baseline
+        phase: max((m - baseline for _, p, m in sampler.samples if p == phase), default=None)
         for phase in (*PHASES, REFERENCE)
     }
     return {
@@ -134,7 +136,7 @@ def measure(task: str, level: str, args: argparse.Namespace) -> dict[str, Any]:
         "level": level,
         "baseline_bytes": baseline,
         "peak_by_phase": peaks,
-        "peak_bytes": max(peaks[p] for p in PHASES),
+        "peak_bytes": max(peaks[p] for p in PHASES if peaks[p] is not None),
         "saved_bytes": st["original_bytes"],
         "stored_bytes": st["stored_bytes"],
         "samples": sampler.samples,
@@ -151,13 +153,14 @@ def table(records: list[dict[str, Any]]) -> str:
     ]
     fp32 = {r["task"]: r["peak_bytes"] for r in records if r["level"] == "L0"}
     for r in records:
-        cells = [f"{r['peak_by_phase'][p] / mib:.0f} MiB" for p in PHASES]
+        peaks = r["peak_by_phase"]
+        cells = ["-" if peaks[p] is None else f"{peaks[p] / mib:.0f} MiB" for p in PHASES]
         ratio = fp32.get(r["task"], 0) / max(r["peak_bytes"], 1)
         lines.append(
             f"| {r['task']} | {r['level']} | {r['saved_bytes'] / mib:.0f} MiB | "
             f"{r['stored_bytes'] / mib:.0f} MiB | " + " | ".join(cells)
             + f" | {r['peak_bytes'] / mib:.0f} MiB | {ratio:.2f}x | "
-            f"{(r['peak_by_phase'][REFERENCE] + r['stored_bytes']) / mib:.0f} MiB |"
+            f"{((peaks[REFERENCE] or 0) + r['stored_bytes']) / mib:.0f} MiB |"
         )  # fmt: skip
     return "\n".join(lines)
 

@@ -20,7 +20,8 @@ def test_levels_in_their_own_processes(data_root, tmp_path, script):
     # (a small model's optimizer step can fall between two samples: not required)
     assert {"no-grad forward", "forward", "backward", "adaptation"} <= phases
     assert "adaptation" not in {p for _, p, _ in fp32["samples"]}  # L0 never probes
-    assert fp32["peak_bytes"] == max(
-        fp32["peak_by_phase"][p] for p in ("forward", "backward", "adaptation", "optimizer")
-    )
+    assert fp32["peak_by_phase"]["adaptation"] is None  # no sample: no peak, not 0
+    training = [v for p, v in l2["peak_by_phase"].items() if p != "no-grad forward" and v]
+    assert l2["peak_bytes"] == max(training) >= l2["peak_by_phase"]["adaptation"] > 0
+    assert fp32["peak_bytes"] >= fp32["peak_by_phase"]["backward"] > l2["peak_by_phase"]["backward"]
     assert out_png.stat().st_size > 10_000
