@@ -38,7 +38,7 @@ from gact.plan import mix_seed
 from gact.probes import ProbeSession
 from gact.saved import SavedCompressed
 from gact_examples.data import load_char_corpus, load_passage_classes, load_planetoid
-from gact_examples.models import GNN, CharGPT, bert_classifier, with_cls
+from gact_examples.models import GNN, CharGPT, bert_classifier, passages
 
 FULL = gact_policy.FULL_PRECISION
 WIDTHS = (2, 4, 8)
@@ -118,7 +118,7 @@ def bert_task(
 
     def batch() -> tuple[torch.Tensor, torch.Tensor]:
         pick = torch.randint(0, len(starts), (32,), generator=gen)
-        return with_cls(ids[starts[pick].unsqueeze(1) + torch.arange(passage)], cls), labels[pick]
+        return passages(ids, starts[pick], passage, cls), labels[pick]
 
     probe = batch()
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from gact_examples.data import load_passage_classes
-from gact_examples.models import bert_classifier, with_cls
+from gact_examples.models import bert_classifier, passages, with_cls
 from gact_examples.train import Run, base_parser, check_args, finish, setup
 
 
@@ -84,11 +84,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     lr = args.lr or 1e-3
     total = args.mem_steps if args.get_mem else args.epochs * args.steps_per_epoch
     gen = torch.Generator().manual_seed(args.seed)
-    offsets = torch.arange(args.passage)
 
     def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
         pick = torch.randint(0, len(train_starts), (args.batch_size,), generator=gen)
-        xb = with_cls(ids[train_starts[pick].unsqueeze(1) + offsets], cls).to(device)
+        xb = passages(ids, train_starts[pick], args.passage, cls).to(device)
         return xb, train_y[pick].to(device)
 
     def loss_of(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -9,9 +9,9 @@ Example:
 
 from __future__ import annotations
 
-from .bert import bert_classifier, with_cls
+from .bert import bert_classifier, passages, with_cls
 from .char_gpt import CharGPT
 from .gnn import GNN, Graph
 from .resnet import ResNetSmall
 
-__all__ = ["GNN", "CharGPT", "Graph", "ResNetSmall", "bert_classifier", "with_cls"]
+__all__ = ["GNN", "CharGPT", "Graph", "ResNetSmall", "bert_classifier", "passages", "with_cls"]

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["bert_classifier", "with_cls"]
+__all__ = ["bert_classifier", "passages", "with_cls"]
 
 
 def bert_classifier(
@@ -56,3 +56,13 @@ def bert_classifier(
 def with_cls(tokens: torch.Tensor, cls: int) -> torch.Tensor:
     """``tokens`` (B x T ids) with the ``[CLS]`` token ``cls`` in front of every row."""
     return torch.cat([tokens.new_full((len(tokens), 1), cls), tokens], dim=1)
+
+
+def passages(ids: torch.Tensor, starts: torch.Tensor, length: int, cls: int) -> torch.Tensor:
+    """The ``length``-token passages of ``ids`` beginning at ``starts``, ``[CLS]`` in front.
+
+    Example:
+        >>> passages(torch.arange(10), torch.tensor([0, 5]), 3, 99).tolist()
+        [[99, 0, 1, 2], [99, 5, 6, 7]]
+    """
+    return with_cls(ids[starts.unsqueeze(1) + torch.arange(length)], cls)
