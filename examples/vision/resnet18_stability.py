@@ -4,17 +4,24 @@ edge of fp32's stable learning rates.
 The architecture is torchvision's ``resnet18(num_classes=10)`` rebuilt in plain torch (the CPU
 torch these examples run on cannot import torchvision): 7x7 stride-2 stem, 3x3 stride-2 max-pool,
 four stages of two BasicBlocks with ``ReLU(inplace=True)``. Trained on ``--images``
-CIFAR-10 training images (a fixed random subset, 32x32), SGD with momentum, for every level and seed; the record of
-each run says whether and when the loss became NaN.
+CIFAR-10 training images (a fixed random subset, 32x32), SGD with momentum 0.9, for every
+learning rate, seed and level; the record of each run says whether and when the loss became NaN,
+its final loss (mean of the last ``--tail`` steps) and its largest gradient norm. With
+``--variance-steps``, the L1 runs also measure, at those steps and per parameter, the variance
+that rounding adds to the gradient over the minibatch variance (the premise of GACT's analysis:
+it should be small). ``--layout memory`` groups in memory order, as the original GACT did.
 
-    python examples/vision/resnet18_stability.py --data DATA --levels L0,L1,L2,L2.2 --seeds 0,1,2
+    python examples/vision/resnet18_stability.py --data DATA --lrs 0.05,0.1 --seeds 0,1,2 \
+        --levels L0,L1,L2,L1.2,L2.2 --steps 300 --variance-steps 0,100,200,299
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -73,19 +80,67 @@ class ResNet18(nn.Module):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
-def train(images: torch.Tensor, labels: torch.Tensor, level: str, seed: int,
+def _batches(images: torch.Tensor, labels: torch.Tensor, size: int, gen: torch.Generator):
+    while True:
+        idx = torch.randint(0, len(images), (size,), generator=gen)
+        yield images[idx], labels[idx]
+
+
+def _grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    model.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _spread(samples: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Per parameter, the summed variance of the samples (unbiased)."""
+    out = {}
+    for name in samples[0]:
+        stack = torch.stack([s[name] for s in samples]).double()
+        out[name] = float(stack.var(0, unbiased=True).sum())
+    return out
+
+
+def variance_ratios(
+    model: nn.Module, images: torch.Tensor, labels: torch.Tensor, config: GactConfig,
+    args: argparse.Namespace, seed: int,
+) -> dict[str, float]:  # fmt: skip
+    """Per parameter, the quantization variance of the gradient at ``config`` (over
+    ``--variance-draws`` rounding seeds on one batch) over the minibatch variance (fp32, over as
+    many batches of the same size), both at the model's current weights, in train mode."""
+    probe = copy.deepcopy(model)  # BatchNorm's running statistics move on the copy only
+    probe.train()
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    batches = _batches(images, labels, args.batch_size, gen)
+    minibatch = _spread([_grads(probe, *next(batches)) for _ in range(args.variance_draws)])
+    x, y = next(batches)
+    draws = []
+    for r in range(args.variance_draws):
+        with Controller(probe, config.replace(seed=1000 * seed + r)):
+            draws.append(_grads(probe, x, y))
+    rounding = _spread(draws)
+    return {n: rounding[n] / max(minibatch[n], 1e-30) for n in minibatch}
+
+
+def train(images: torch.Tensor, labels: torch.Tensor, level: str, seed: int, lr: float,
           args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
     torch.manual_seed(seed)
     model = ResNet18()
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    gen = torch.Generator().manual_seed(seed)
-    controller = Controller(model, GactConfig.from_level(level, seed=seed))
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    batches = _batches(images, labels, args.batch_size, torch.Generator().manual_seed(seed))
+    config = GactConfig.from_level(level, seed=seed, channel_groups=args.layout == "channel")
+    controller = Controller(model, config)
+    probe_at = {int(s) for s in args.variance_steps.split(",") if s} if level == "L1" else set()
     losses: list[float] = []
+    grad_norms: list[float] = []
+    ratios: dict[int, dict[str, float]] = {}
     first_nan = None
     with controller:
         for step in range(args.steps):
-            idx = torch.randint(0, len(images), (args.batch_size,), generator=gen)
-            x, y = images[idx], labels[idx]
+            x, y = next(batches)
+            if step in probe_at:
+                with controller.paused():
+                    ratios[step] = variance_ratios(model, images, labels, config, args, seed)
 
             def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
                 model.train()
@@ -94,49 +149,80 @@ def train(images: torch.Tensor, labels: torch.Tensor, level: str, seed: int,
                 loss.backward()
                 return loss
 
-            loss = float(controller.iterate(closure))
+            loss = float(controller.iterate(closure).detach())
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            grad_norms.append(
+                float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+            )
             optimizer.step()
             losses.append(loss)
             if not math.isfinite(loss):
                 first_nan = step
                 break
+    tail = losses[-args.tail :]
     return {
         "level": level,
         "seed": seed,
+        "lr": lr,
+        "layout": args.layout,
+        "steps": args.steps,
         "first_nan_step": first_nan,
+        "final_loss": statistics.fmean(tail) if first_nan is None else math.nan,
+        "max_grad_norm": max(grad_norms),
         "losses": losses,
+        "grad_norms": grad_norms,
+        "variance_ratios": ratios,
         "ratio": controller.stats()["ratio"],
     }
+
+
+def load_subset(data: str, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``count`` CIFAR-10 training images (a fixed random subset: the archive is class-sorted),
+    normalised, NCHW."""
+    cifar = load_cifar10(data)
+    mean = torch.tensor([0.4914, 0.4822, 0.4465]).view(1, 3, 1, 1)
+    std = torch.tensor([0.2470, 0.2435, 0.2616]).view(1, 3, 1, 1)
+    pick = torch.randperm(len(cifar["y_train"]), generator=torch.Generator().manual_seed(0))
+    pick = pick[:count].numpy()
+    images = torch.from_numpy(cifar["x_train"][pick]).float().div(255).permute(0, 3, 1, 2)
+    return (images - mean) / std, torch.from_numpy(cifar["y_train"][pick]).long()
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", required=True)
-    p.add_argument("--levels", default="L0,L1,L2,L2.2")
+    p.add_argument("--levels", default="L0,L1,L2,L1.2,L2.2")
     p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--lrs", default="0.05,0.1", help="SGD learning rates (momentum 0.9)")
     p.add_argument("--images", type=int, default=2000)
-    p.add_argument("--steps", type=int, default=93, help="93 steps of 64 = 3 epochs of 2,000")
+    p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--tail", type=int, default=20, help="final loss: mean of the last N steps")
+    p.add_argument(
+        "--layout", choices=("channel", "memory"), default="channel",
+        help="GactConfig.channel_groups on (channel) or off (memory order, the original's)",
+    )  # fmt: skip
+    p.add_argument(
+        "--variance-steps", default="",
+        help="steps at which L1 runs measure quantization / minibatch variance per parameter",
+    )  # fmt: skip
+    p.add_argument("--variance-draws", type=int, default=8)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--out", default="resnet18_stability.json")
     args = p.parse_args(argv)
-    data = load_cifar10(args.data)
-    mean = torch.tensor([0.4914, 0.4822, 0.4465]).view(1, 3, 1, 1)
-    std = torch.tensor([0.2470, 0.2435, 0.2616]).view(1, 3, 1, 1)
-    # the archive is class-sorted: a fixed random subset of all classes
-    pick = torch.randperm(len(data["y_train"]), generator=torch.Generator().manual_seed(0))
-    pick = pick[: args.images].numpy()
-    images = torch.from_numpy(data["x_train"][pick]).float().div(255).permute(0, 3, 1, 2)
-    images = (images - mean) / std
-    labels = torch.from_numpy(data["y_train"][pick]).long()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    images, labels = load_subset(args.data, args.images)
     records = []
-    for seed in (int(s) for s in args.seeds.split(",")):
-        for level in args.levels.split(","):
-            rec = train(images, labels, level, seed, args)
-            records.append(rec)
-            Path(args.out).write_text(json.dumps(records))
-            print(f"seed {seed} {level}: first NaN at {rec['first_nan_step']}, "
-                  f"last loss {rec['losses'][-1]:.3f}")  # fmt: skip
+    for lr in (float(v) for v in args.lrs.split(",")):
+        for seed in (int(s) for s in args.seeds.split(",")):
+            for level in args.levels.split(","):
+                rec = train(images, labels, level, seed, lr, args)
+                records.append(rec)
+                Path(args.out).write_text(json.dumps(records))
+                print(f"lr {lr} seed {seed} {level}: first NaN at {rec['first_nan_step']}, "
+                      f"final loss {rec['final_loss']:.3f}, max grad norm "
+                      f"{rec['max_grad_norm']:.1f}", flush=True)  # fmt: skip
     return records
 
 

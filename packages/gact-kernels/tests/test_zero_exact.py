@@ -271,7 +271,7 @@ def test_output_rounding_never_turns_a_level_into_zero(dtype: torch.dtype) -> No
         word, torch.zeros(1), torch.tensor([step], dtype=torch.float32),
         torch.zeros(0, dtype=torch.int64), torch.zeros(0, n, dtype=dtype),
         bits=bits, group_size=n, seed=11, shape=torch.Size([n]), stride=(1,), dtype=dtype,
-        zero_exact=True,
+        zero_exact=True, channel_dim=None,
     )  # fmt: skip
     y = gact_kernels.dequantize(q)
     assert bits_equal(y, reference_dequantize(q))

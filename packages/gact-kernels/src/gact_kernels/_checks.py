@@ -13,6 +13,7 @@ __all__ = [
     "MAX_GROUP_SIZE",
     "check_bits",
     "check_buffer",
+    "check_channel_dim",
     "check_dtype",
     "check_group_size",
     "check_seed",
@@ -74,6 +75,17 @@ def check_zero_exact(zero_exact: object, bits: int, name: str = "zero_exact") ->
             f"be rounded unbiasedly"
         )
     return zero_exact
+
+
+def check_channel_dim(channel_dim: object, ndim: int, name: str = "channel_dim") -> int:
+    """Returns ``channel_dim`` as a dimension index in [0, ndim) (negative counts from the end)."""
+    channel_dim = integer(channel_dim, name)
+    if not -ndim <= channel_dim < ndim:
+        raise ValueError(
+            f"{name} must name a dimension of the {ndim}-dimensional tensor (between {-ndim} "
+            f"and {ndim - 1}), got {channel_dim}; use None to group in memory order"
+        )
+    return channel_dim % ndim
 
 
 def check_group_size(group_size: object, name: str = "group_size") -> int:

@@ -11,6 +11,7 @@ from ._backend import DTYPE_CODES, launch
 from ._checks import (
     check_bits,
     check_buffer,
+    check_channel_dim,
     check_dtype,
     check_group_size,
     check_seed,
@@ -18,7 +19,16 @@ from ._checks import (
     check_zero_exact,
 )
 from ._compressed import Compressed
-from ._layout import check_layout, empty_with_layout, flat_view, memory_order
+from ._layout import (
+    channel_grouping,
+    check_layout,
+    empty_with_layout,
+    flat_view,
+    from_channel_runs,
+    memory_order,
+    restore_stride,
+    to_channel_runs,
+)
 
 __all__ = ["FLOAT_DTYPES", "QuantizedTensor", "dequantize", "quantize"]
 
@@ -45,7 +55,8 @@ class QuantizedTensor(Compressed):
         lossless_values: their raw elements, shape (len(lossless_groups), group_size), in
             ``dtype``; a partial last group repeats its final element.
         bits: code width, 1..8.
-        group_size: elements per group (consecutive in memory).
+        group_size: elements per group (consecutive in memory, or within one channel's run
+            when ``channel_dim`` is set).
         seed: the seed of :func:`quantize`; :func:`dequantize` derives the stochastic rounding
             of float16/bfloat16 outputs from it.
         shape: shape of the original tensor.
@@ -53,16 +64,20 @@ class QuantizedTensor(Compressed):
         dtype: dtype of the original tensor.
         zero_exact: whether groups whose ``lo`` is +0 use the sign-exact grid (see
             :func:`quantize`); needs ``bits >= 2``.
+        channel_dim: ``None`` for groups in memory order; else the dimension whose channels
+            the groups never span: the codes then cover the channel-major block of padded runs
+            of NOTE [channel groups] in _layout.py (``stored_numel`` elements).
 
     Example:
         >>> import torch, gact_kernels
         >>> q = gact_kernels.quantize(torch.randn(3, 100), 4, seed=1)
         >>> q
-        QuantizedTensor(bits=4, group_size=256, seed=1, shape=torch.Size([3, 100]), stride=(100, 1), dtype=torch.float32, zero_exact=False, device=cpu, nbytes=166)
+        QuantizedTensor(bits=4, group_size=256, seed=1, shape=torch.Size([3, 100]), stride=(100, 1), dtype=torch.float32, zero_exact=False, channel_dim=None, device=cpu, nbytes=166)
     """
 
     __slots__ = (
         "bits",
+        "channel_dim",
         "data",
         "dtype",
         "group_size",
@@ -89,11 +104,21 @@ class QuantizedTensor(Compressed):
     stride: tuple[int, ...]
     dtype: torch.dtype
     zero_exact: bool
+    channel_dim: int | None
 
     @property
     def numel(self) -> int:
         """Number of elements of the original tensor."""
         return math.prod(self.shape)
+
+    @property
+    def stored_numel(self) -> int:
+        """Number of elements the codes cover: ``numel`` plus the padding of channel runs."""
+        if self.channel_dim is None:
+            return self.numel
+        channels = self.shape[self.channel_dim]
+        run = self.numel // channels
+        return channels * (-(-run // self.group_size) * self.group_size)
 
     def _validate(self) -> None:
         check_bits(self.bits, "QuantizedTensor.bits")
@@ -101,11 +126,18 @@ class QuantizedTensor(Compressed):
         check_group_size(self.group_size, "QuantizedTensor.group_size")
         check_seed(self.seed, "QuantizedTensor.seed")
         check_dtype(self.dtype, FLOAT_DTYPES, "QuantizedTensor.dtype")
-        check_layout(self.shape, self.stride, "QuantizedTensor")
+        n = check_layout(self.shape, self.stride, "QuantizedTensor")
+        if self.channel_dim is not None:
+            check_channel_dim(self.channel_dim, len(self.shape), "QuantizedTensor.channel_dim")
+            if not n:
+                raise ValueError(
+                    "QuantizedTensor.channel_dim must be None for an empty tensor (nothing to "
+                    f"group); got {self.channel_dim} with shape {tuple(self.shape)}"
+                )
         self._check_buffers()
 
     def _check_buffers(self) -> None:
-        n, g = self.shape.numel(), self.group_size
+        n, g = self.stored_numel, self.group_size
         groups = -(-n // g)
         lossless = self.lossless_groups
         k = lossless.shape[0] if isinstance(lossless, torch.Tensor) and lossless.dim() else 0
@@ -149,6 +181,7 @@ def quantize(
     group_size: int = 256,
     seed: int = 0,
     zero_exact: bool = False,
+    channel_dim: int | None = None,
 ) -> QuantizedTensor:
     """Compresses ``x`` to ``bits`` bits per element with unbiased stochastic rounding.
 
@@ -177,19 +210,29 @@ def quantize(
     the flag, so negative inputs are allowed (their groups keep the normal grid, and their
     signs are not guaranteed) and the size never changes.
 
+    With ``channel_dim`` no group spans two channels of that dimension (NOTE [channel groups]
+    in _layout.py): each channel's elements are grouped on their own, in runs padded to whole
+    groups of at most ``group_size`` (the container's ``group_size`` is the one used). Use it
+    for convolution-style activations (``channel_dim=1`` of NCHW or channels-last tensors),
+    whose channels differ in scale. It costs one copy each way when the memory order would
+    let a group cross a channel; otherwise the result is that of ``channel_dim=None``.
+
     Args:
         x: dense float32, float16 or bfloat16 tensor of any shape, on CPU or CUDA.
         bits: code width, 1..8 (2..8 with ``zero_exact=True``).
         group_size: elements per group, a multiple of 8 in [8, 65536].
         seed: int in [0, 2**64); use a fresh seed per tensor and step.
         zero_exact: use the sign-exact grid for groups whose minimum is zero.
+        channel_dim: group each channel of this dimension on its own (negative counts from
+            the end), or ``None`` to group in memory order.
 
     Returns:
         A :class:`QuantizedTensor`; :func:`dequantize` restores shape, strides, dtype, device.
 
     Raises:
         ValueError: ``zero_exact=True`` with ``bits=1`` (one positive level cannot be
-            unbiased), or a bad ``bits``, ``group_size``, ``seed``, dtype or device.
+            unbiased), or a bad ``bits``, ``group_size``, ``seed``, ``channel_dim``, dtype or
+            device.
         TypeError: ``x`` is not a tensor, or an argument has the wrong type.
 
     Example:
@@ -204,13 +247,31 @@ def quantize(
         >>> y = gact_kernels.dequantize(gact_kernels.quantize(r, 2, zero_exact=True))
         >>> torch.equal(y > 0, r > 0), y[1].item() == torch.finfo(torch.float32).tiny
         (True, True)
+        >>> a = torch.randn(50, 512, 1, 1) * torch.logspace(-3, 1, 512).view(1, -1, 1, 1)
+        >>> c = gact_kernels.quantize(a, 4, channel_dim=1)  # 1x1 maps: 512 channels of 50
+        >>> c.group_size, c.stored_numel  # each channel in one group of 56 (6 padded)
+        (56, 28672)
+        >>> err = (gact_kernels.dequantize(c) - a).std((0, 2, 3)) / a.std((0, 2, 3))
+        >>> bool(err.max() < 0.3)  # every channel keeps its own precision
+        True
     """
     check_tensor(x, "x", FLOAT_DTYPES)
     bits = check_bits(bits)
     group_size = check_group_size(group_size)
     seed = check_seed(seed)
     zero_exact = check_zero_exact(zero_exact, bits)
-    flat, stride = memory_order(x.detach())
+    x = x.detach()
+    if channel_dim is not None:
+        channel_dim = check_channel_dim(channel_dim, x.dim())
+        if x.numel() == 0 or (
+            x.is_contiguous() and math.prod(x.shape[channel_dim + 1 :]) % group_size == 0
+        ):
+            channel_dim = None  # memory order already keeps groups inside channels
+    if channel_dim is None:
+        flat, stride = memory_order(x)
+    else:
+        group_size, _ = channel_grouping(x.shape, channel_dim, group_size)
+        flat, stride = to_channel_runs(x, channel_dim, group_size), restore_stride(x)
     n = flat.numel()
     groups = -(-n // group_size)
     data = torch.empty((n * bits + 7) // 8, dtype=torch.uint8, device=x.device)
@@ -225,7 +286,7 @@ def quantize(
     return QuantizedTensor(
         data, lo, scale, lossless_groups, lossless_values,
         bits=bits, group_size=group_size, seed=seed, shape=x.shape, stride=stride, dtype=x.dtype,
-        zero_exact=zero_exact,
+        zero_exact=zero_exact, channel_dim=channel_dim,
     )  # fmt: skip
 
 
@@ -255,7 +316,10 @@ def dequantize(q: QuantizedTensor) -> torch.Tensor:
         raise TypeError(f"q must be a QuantizedTensor, got {type(q).__name__}")
     q._check_buffers()
     out = empty_with_layout(q.shape, q.stride, q.dtype, q.device)
-    flat = flat_view(out)
+    if q.channel_dim is None:
+        flat = flat_view(out)
+    else:
+        flat = torch.empty(q.stored_numel, dtype=q.dtype, device=q.device)
     n = flat.numel()
     if n:
         launch(
@@ -264,4 +328,6 @@ def dequantize(q: QuantizedTensor) -> torch.Tensor:
         )  # fmt: skip
     if q.lossless_groups.numel():
         flat[_element_index(q.lossless_groups, q.group_size, n)] = q.lossless_values
+    if q.channel_dim is not None:
+        from_channel_runs(flat, out, q.channel_dim)
     return out

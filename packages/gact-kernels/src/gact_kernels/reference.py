@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ._checks import check_bits, check_group_size, check_seed, check_tensor, check_zero_exact
-from ._layout import empty_with_layout, flat_view, memory_order
+from ._layout import empty_with_layout, flat_view, from_channel_runs, memory_order
 from .ints import INT_DTYPES, PackedInts
 from .quantize import FLOAT_DTYPES, QuantizedTensor
 
@@ -165,7 +165,7 @@ def reference_quantize(
     return QuantizedTensor(
         data, lo, scale, groups, values,
         bits=bits, group_size=group_size, seed=seed, shape=x.shape, stride=stride, dtype=x.dtype,
-        zero_exact=zero_exact,
+        zero_exact=zero_exact, channel_dim=None,
     )  # fmt: skip
 
 
@@ -203,7 +203,7 @@ def round_stochastic(v: torch.Tensor, h: torch.Tensor, dtype: torch.dtype) -> to
 
 def reference_dequantize(q: QuantizedTensor) -> torch.Tensor:
     """Same result as :func:`gact_kernels.dequantize`, in plain torch."""
-    n, bits = q.numel, q.bits
+    n, bits = q.stored_numel, q.bits
     chunks = -(-n // 8)
     raw = F.pad(q.data.to(torch.int64), (0, chunks * bits - q.data.numel())).view(chunks, bits)
     word = raw[:, 0]
@@ -224,13 +224,13 @@ def reference_dequantize(q: QuantizedTensor) -> torch.Tensor:
         h = hash32(q.seed, torch.arange(n, device=v.device), stream="dequantize")
         v = round_stochastic(v, h, q.dtype)
     out = empty_with_layout(q.shape, q.stride, q.dtype, q.device)
-    flat = flat_view(out)
+    flat = flat_view(out) if q.channel_dim is None else v.to(q.dtype)
     flat.copy_(v)
     if q.lossless_groups.numel():
         offsets = torch.arange(q.group_size, device=q.lossless_groups.device)
         index = q.lossless_groups[:, None] * q.group_size + offsets
         flat[index.clamp(0, n - 1)] = q.lossless_values
-    return out
+    return out if q.channel_dim is None else from_channel_runs(flat, out, q.channel_dim)
 
 
 def _halves(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,9 +34,10 @@ class Items:
         keys: save-site keys of the items.
         numel: elements per item (summed over the step's saves at that key).
         full_bits: width of the item's dtype (its cost when kept at full precision).
-        overhead_bits: metadata plus exact decision masks per element of a quantized item
-            (a derivative table's codes carry a 9-byte group header, not 8: NOTE [Derivative
-            tables] in pointwise.py).
+        overhead_bits: metadata plus exact decision masks per element of a quantized item:
+            the metadata its last quantized save held (channel groups of small maps cost more
+            than ``metadata_bits``), else ``metadata_bits`` (a derivative table's codes carry a
+            9-byte group header, not 8: NOTE [Derivative tables] in pointwise.py).
         lower: the smallest width of each item: 2 on the zero-exact grid (NOTE [Exact
             decisions] in decisions.py), else 1.
         pinned: 1 for two-valued items (NOTE [Two-valued tensors]), else 0 (free).
@@ -60,7 +61,9 @@ class Items:
                 r.key,
                 r.numel,
                 torch.finfo(r.dtype).bits,
-                r.mask_bits + (metadata_bits / 8 if r.table else 0.0),
+                (metadata_bits if r.metadata_bits is None else r.metadata_bits)
+                + r.mask_bits
+                + (metadata_bits / 8 if r.table else 0.0),
                 2 if r.zero_exact else 1,
                 1 if two_valued.get(r.key) and not r.zero_exact else 0,
             )
@@ -77,7 +80,7 @@ class Items:
             keys=[row[0] for row in rows],
             numel=np.array([row[1] for row in rows], dtype=np.int64),
             full_bits=np.array([row[2] for row in rows], dtype=np.int64),
-            overhead_bits=metadata_bits + np.array([row[3] for row in rows], dtype=np.float64),
+            overhead_bits=np.array([row[3] for row in rows], dtype=np.float64),
             lower=np.array([row[4] for row in rows], dtype=np.int64),
             pinned=np.array([row[5] for row in rows], dtype=np.int64),
             fixed_bytes=fixed,

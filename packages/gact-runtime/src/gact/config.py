@@ -90,6 +90,12 @@ class GactConfig:
         derivative_tables: store GELU and SiLU inputs due for at most 4 bits as derivative
             tables where that is more accurate than quantizing them (NOTE [Derivative tables]
             in pointwise.py); ``False`` always quantizes them.
+        channel_groups: quantize tensors of rank 4 or more (NCHW, NCDHW, and their
+            channels-last layouts) with groups that never span two channels of dim 1
+            (NOTE [channel groups] in gact_kernels/_layout.py): a channel's precision then
+            never depends on the range of another. ``False`` groups every tensor in memory
+            order, as the original GACT did (it diverged on a ResNet-18 at 32x32, whose last
+            stage has 1x1 maps: BENCHMARKS.md, "Stability").
 
     Example::
 
@@ -110,6 +116,7 @@ class GactConfig:
     seed: int = 0
     memory_budget: int | None = None
     derivative_tables: bool = True
+    channel_groups: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.level, str) or self.level not in LEVELS:
@@ -151,6 +158,8 @@ class GactConfig:
             raise ConfigError(
                 f"derivative_tables must be True or False, got {self.derivative_tables!r}"
             )
+        if not isinstance(self.channel_groups, bool):
+            raise ConfigError(f"channel_groups must be True or False, got {self.channel_groups!r}")
         if self.memory_budget is not None:
             _check_int("memory_budget", self.memory_budget, 1, none_ok=True)
             if not self.spec.adaptive:

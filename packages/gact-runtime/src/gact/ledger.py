@@ -64,6 +64,9 @@ class SiteRecord:
     mask_bytes: int = 0
     zero_exact: bool = False  # on gact-kernels' zero-exact grid (NOTE [Exact decisions])
     table: bool = False  # may be stored as a derivative table (NOTE [Derivative tables])
+    # bits per element beyond the codes in the last quantized save (group headers, padding of
+    # channel groups); None until the key is quantized
+    metadata_bits: float | None = None
 
 
 @dataclass
@@ -85,6 +88,7 @@ class Ledger:
         *,
         zero_exact: bool = False,
         table: bool = False,
+        metadata_bits: float | None = None,
     ) -> None:
         rec = self.current.get(key)
         if rec is None or rec.kind is not kind or rec.bits != bits:
@@ -98,6 +102,8 @@ class Ledger:
         rec.shape = tuple(tensor.shape)
         rec.zero_exact = zero_exact
         rec.table = rec.table or table
+        if metadata_bits is not None:
+            rec.metadata_bits = metadata_bits
         rec.count += 1
         rec.numel += tensor.numel()
         rec.original_bytes += occupied_bytes(tensor)

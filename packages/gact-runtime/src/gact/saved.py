@@ -402,9 +402,11 @@ class SaveHooks:
                     payload = gact_kernels.pack_ints(table.codes(data), group_size=group_size)
                 else:
                     seed = self.plan.seed_for(key, self.ledger.occurrences(key))
+                    channels = plan.config.channel_groups and data.dim() >= 4
                     payload = gact_kernels.quantize(
-                        data, bits, group_size=group_size, seed=seed, zero_exact=zero_exact
-                    )
+                        data, bits, group_size=group_size, seed=seed, zero_exact=zero_exact,
+                        channel_dim=1 if channels else None,
+                    )  # fmt: skip
                 kind = Kind.QUANTIZED
         saved = SavedCompressed(tensor, key, payload, self)
         if compact is not None:
@@ -414,8 +416,11 @@ class SaveHooks:
         else:
             self.live.add(tensor, saved, self.tracker.generation)
         self.ledger.record(
-            key, tensor, kind, bits, payload.nbytes, zero_exact=zero_exact, table=candidate
-        )
+            key, tensor, kind, bits, payload.nbytes, zero_exact=zero_exact, table=candidate,
+            metadata_bits=_metadata_bits(payload)
+            if isinstance(payload, gact_kernels.QuantizedTensor)
+            else None,
+        )  # fmt: skip
         if spec is not None and spec.predicates and kind is Kind.QUANTIZED:
             self._decide(saved, tensor, spec)
         return saved
@@ -459,6 +464,15 @@ class SaveHooks:
                 GactWarning,
                 stacklevel=2,
             )
+
+
+def _metadata_bits(payload: gact_kernels.QuantizedTensor) -> float:
+    """Bits per element ``payload`` holds beyond its codes (group headers, lossless groups),
+    plus the padding of channel groups (NOTE [channel groups] in gact_kernels/_layout.py)
+    counted at 8 bits, so that the allocator never underestimates it at any width."""
+    numel, stored = payload.numel, payload.stored_numel
+    header = payload.nbytes - (stored * payload.bits + 7) // 8
+    return 8 * (header + stored - numel) / max(numel, 1)
 
 
 def _two_valued(data: torch.Tensor) -> bool:
