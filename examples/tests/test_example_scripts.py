@@ -140,3 +140,37 @@ def test_missing_data_folder_is_a_usage_error(script, monkeypatch, capsys):
     with pytest.raises(SystemExit) as exc:
         script(GNN).main(["--epochs", "1"])
     assert exc.value.code == 2 and "--data" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model", ["resnet18", "vit", "llama"])
+def test_stability_script(model, data_root, tmp_path, script):
+    """stability.py: every level trains a few steps; L1 records variance ratios per parameter."""
+    if model != "resnet18":
+        pytest.importorskip("transformers")  # examples[transformers], in tests(examples)
+    out = tmp_path / "s.json"
+    argv = ["--data", str(data_root), "--model", model, "--levels", "L0,L1", "--seeds", "0"]
+    argv += ["--lrs", "0.001", "--steps", "3", "--batch-size", "4", "--images", "16"]
+    argv += ["--variance-steps", "1", "--variance-draws", "2", "--out", str(out)]
+    records = script("stability.py").main(argv)
+    assert json.loads(out.read_text()) == json.loads(json.dumps(records))
+    fp32, l1 = json.loads(out.read_text())
+    assert (fp32["level"], l1["level"]) == ("L0", "L1") and l1["ratio"] > 4
+    for rec in records:
+        assert rec["first_nan_step"] is None and len(rec["losses"]) == 3
+        assert math.isfinite(rec["final_loss"]) and rec["max_grad_norm"] > 0
+    assert not fp32["variance_ratios"]
+    ratios = l1["variance_ratios"]["1"]
+    assert (
+        len(ratios) > 4
+        and all(r >= 0 and math.isfinite(r) for r in ratios.values())
+        and max(ratios.values()) > 0
+    )
+
+
+def test_stability_script_records_divergence(data_root, tmp_path, script):
+    """A learning rate far past fp32's edge: the run stops at the first NaN and says when."""
+    argv = ["--data", str(data_root), "--levels", "L0", "--seeds", "0", "--lrs", "1e6"]
+    argv += ["--steps", "20", "--batch-size", "4", "--images", "16", "--out", str(tmp_path / "s")]
+    (rec,) = script("stability.py").main(argv)
+    assert rec["first_nan_step"] is not None and len(rec["losses"]) == rec["first_nan_step"] + 1
+    assert math.isnan(rec["final_loss"])

@@ -12,6 +12,15 @@ from __future__ import annotations
 from .bert import bert_classifier, passages, with_cls
 from .char_gpt import CharGPT
 from .gnn import GNN, Graph
-from .resnet import ResNetSmall
+from .resnet import ResNet18, ResNetSmall
 
-__all__ = ["GNN", "CharGPT", "Graph", "ResNetSmall", "bert_classifier", "passages", "with_cls"]
+__all__ = [
+    "GNN",
+    "CharGPT",
+    "Graph",
+    "ResNet18",
+    "ResNetSmall",
+    "bert_classifier",
+    "passages",
+    "with_cls",
+]

@@ -1,4 +1,5 @@
-"""A small ResNet-style CNN (BasicBlocks with BatchNorm) for 8x8 to 32x32 images."""
+"""ResNet-style CNNs (BasicBlocks with BatchNorm): a small one for 8x8 to 32x32 images, and
+torchvision's ResNet-18 layout."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["BasicBlock", "ResNetSmall"]
+__all__ = ["BasicBlock", "ResNet18", "ResNetSmall"]
 
 
 class BasicBlock(nn.Module):
@@ -16,10 +17,12 @@ class BasicBlock(nn.Module):
         in_ch: input channels.
         out_ch: output channels.
         stride: stride of the first convolution (and of the shortcut's projection).
+        inplace: ReLUs in place, as torchvision's.
     """
 
-    def __init__(self, in_ch: int, out_ch: int, stride: int = 1) -> None:
+    def __init__(self, in_ch: int, out_ch: int, stride: int = 1, inplace: bool = False) -> None:
         super().__init__()
+        self.inplace = inplace
         self.conv1 = nn.Conv2d(in_ch, out_ch, 3, stride, 1, bias=False)
         self.bn1 = nn.BatchNorm2d(out_ch)
         self.conv2 = nn.Conv2d(out_ch, out_ch, 3, 1, 1, bias=False)
@@ -31,9 +34,9 @@ class BasicBlock(nn.Module):
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.relu(self.bn1(self.conv1(x)))
+        out = F.relu(self.bn1(self.conv1(x)), inplace=self.inplace)
         out = self.bn2(self.conv2(out))
-        return F.relu(out + self.shortcut(x))
+        return F.relu(out + self.shortcut(x), inplace=self.inplace)
 
 
 class ResNetSmall(nn.Module):
@@ -70,4 +73,42 @@ class ResNetSmall(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.layers(self.stem(x))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+class ResNet18(nn.Module):
+    """torchvision's ``resnet18(num_classes=...)`` layout, in plain torch (the CPU torch these
+    examples run on cannot import torchvision): 7x7 stride-2 stem, 3x3 stride-2 max-pool, four
+    stages of two BasicBlocks (64, 128, 256, 512 channels) with ReLUs in place, Kaiming
+    initialisation. On 32x32 images its stages see 8x8, 4x4, 2x2 and 1x1 maps.
+
+    Example:
+        >>> ResNet18(num_classes=10)(torch.randn(2, 3, 32, 32)).shape
+        torch.Size([2, 10])
+    """
+
+    def __init__(self, num_classes: int = 10) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        self.maxpool = nn.MaxPool2d(3, 2, 1)
+        stages, in_ch = [], 64
+        for i, width in enumerate((64, 128, 256, 512)):
+            stride = 1 if i == 0 else 2
+            stages.append(
+                nn.Sequential(
+                    BasicBlock(in_ch, width, stride, inplace=True),
+                    BasicBlock(width, width, 1, inplace=True),
+                )
+            )
+            in_ch = width
+        self.layer1, self.layer2, self.layer3, self.layer4 = stages
+        self.fc = nn.Linear(512, num_classes)
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(F.relu(self.bn1(self.conv1(x)), inplace=True))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))

@@ -1,0 +1,257 @@
+"""Does compression make training less stable? Models trained the way their users train them,
+near the edge of fp32's stable learning rates, at every level and seed.
+
+- ``resnet18``: torchvision's ResNet-18 layout (``gact_examples.models.ResNet18``) on ``--images``
+  CIFAR-10 training images (a fixed random subset, 32x32), SGD with momentum 0.9.
+- ``vit``, ``llama``: the model matrix's ViT (CIFAR-10 images, 4x4 patches) and LLaMA-style
+  decoder (RMSNorm, SiLU-gated MLP, rotary embeddings; tiny-shakespeare characters, 64 per
+  sequence), from the same ``transformers`` configs (2 layers of width 64), AdamW.
+
+The record of each run says whether and when the loss became NaN, its final loss (mean of the
+last ``--tail`` steps) and its largest gradient norm. With ``--variance-steps``, the L1 runs also
+measure, at those steps and per parameter, the variance that rounding adds to the gradient over
+the minibatch variance (the premise of GACT's analysis: it should be small). ``--layout memory``
+groups in memory order, as the original GACT did (``GactConfig(channel_groups=False)``).
+
+    python examples/stability.py --data DATA --model resnet18 --lrs 0.05,0.1 --seeds 0,1,2 \
+        --levels L0,L1,L2,L1.2,L2.2 --steps 300 --variance-steps 0,100,200,299
+    python examples/stability.py --data DATA --model llama --lrs 1e-3 --seeds 0,1,2
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import statistics
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from gact import Controller, GactConfig
+from gact_examples.data import load_char_corpus, load_cifar10
+from gact_examples.models import ResNet18
+from torch import nn
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class Task(NamedTuple):
+    """A model family: how to build it, draw its batches, compute its loss and optimise it."""
+
+    build: Callable[[], nn.Module]
+    batches: Callable[[torch.Generator], Iterator[Batch]]
+    loss: Callable[[nn.Module, Batch], torch.Tensor]
+    optimizer: Callable[[nn.Module, float], torch.optim.Optimizer]
+
+
+def _sgd(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+
+
+def _adamw(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+
+
+def _classify(model: nn.Module, batch: Batch) -> torch.Tensor:
+    out = model(batch[0])
+    return F.cross_entropy(getattr(out, "logits", out), batch[1])
+
+
+def _language(model: nn.Module, batch: Batch) -> torch.Tensor:
+    return model(input_ids=batch[0], labels=batch[1]).loss
+
+
+def _samples(
+    inputs: torch.Tensor, targets: torch.Tensor, size: int
+) -> Callable[[torch.Generator], Iterator[Batch]]:
+    def batches(gen: torch.Generator) -> Iterator[Batch]:
+        while True:
+            idx = torch.randint(0, len(inputs), (size,), generator=gen)
+            yield inputs[idx], targets[idx]
+
+    return batches
+
+
+def load_images(data: str, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``count`` CIFAR-10 training images (a fixed random subset: the archive is class-sorted),
+    normalised, NCHW."""
+    cifar = load_cifar10(data)
+    mean = torch.tensor([0.4914, 0.4822, 0.4465]).view(1, 3, 1, 1)
+    std = torch.tensor([0.2470, 0.2435, 0.2616]).view(1, 3, 1, 1)
+    pick = torch.randperm(len(cifar["y_train"]), generator=torch.Generator().manual_seed(0))
+    pick = pick[:count].numpy()
+    images = torch.from_numpy(cifar["x_train"][pick]).float().div(255).permute(0, 3, 1, 2)
+    return (images - mean) / std, torch.from_numpy(cifar["y_train"][pick]).long()
+
+
+def _vit() -> nn.Module:
+    from transformers import ViTConfig, ViTForImageClassification
+
+    config = ViTConfig(
+        image_size=32, patch_size=4, num_channels=3, hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=4, intermediate_size=256, num_labels=10,
+    )  # fmt: skip
+    return ViTForImageClassification(config)
+
+
+def _llama(vocab: int) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            vocab_size=vocab, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            attn_implementation="sdpa",
+        )  # fmt: skip
+        return LlamaForCausalLM(config)
+
+    return build
+
+
+def make_task(name: str, args: argparse.Namespace) -> Task:
+    if name == "llama":
+        corpus = load_char_corpus(args.data)
+        ids = torch.from_numpy(corpus["train"])
+        starts = torch.arange(0, len(ids) - 65, 64)
+        windows = ids[starts[:, None] + torch.arange(64)]
+        return Task(
+            _llama(len(corpus["chars"])), _samples(windows, windows, args.batch_size), _language,
+            _adamw,
+        )  # fmt: skip
+    images, labels = load_images(args.data, args.images)
+    if name == "vit":
+        return Task(_vit, _samples(images, labels, args.batch_size), _classify, _adamw)
+    return Task(ResNet18, _samples(images, labels, args.batch_size), _classify, _sgd)
+
+
+def _grads(model: nn.Module, task: Task, batch: Batch) -> dict[str, torch.Tensor]:
+    model.zero_grad()
+    task.loss(model, batch).backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _spread(samples: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Per parameter, the summed variance of the samples (unbiased)."""
+    out = {}
+    for name in samples[0]:
+        stack = torch.stack([s[name] for s in samples]).double()
+        out[name] = float(stack.var(0, unbiased=True).sum())
+    return out
+
+
+def variance_ratios(
+    model: nn.Module, task: Task, config: GactConfig, draws: int, seed: int
+) -> dict[str, float]:
+    """Per parameter, the quantization variance of the gradient at ``config`` (over ``draws``
+    rounding seeds on one batch) over the minibatch variance (fp32, over as many batches of the
+    same size), both at the model's current weights, in train mode."""
+    probe = copy.deepcopy(model)  # BatchNorm's running statistics move on the copy only
+    probe.train()
+    batches = task.batches(torch.Generator().manual_seed(10_000 + seed))
+    minibatch = _spread([_grads(probe, task, next(batches)) for _ in range(draws)])
+    batch = next(batches)
+    rounded = []
+    for r in range(draws):
+        with Controller(probe, config.replace(seed=1000 * seed + r)):
+            rounded.append(_grads(probe, task, batch))
+    rounding = _spread(rounded)
+    return {n: rounding[n] / max(minibatch[n], 1e-30) for n in minibatch}
+
+
+def train(task: Task, level: str, seed: int, lr: float, args: argparse.Namespace) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = task.build()
+    model.train()
+    optimizer = task.optimizer(model, lr)
+    batches = task.batches(torch.Generator().manual_seed(seed))
+    config = GactConfig.from_level(level, seed=seed, channel_groups=args.layout == "channel")
+    controller = Controller(model, config)
+    probe_at = {int(s) for s in args.variance_steps.split(",") if s} if level == "L1" else set()
+    losses: list[float] = []
+    grad_norms: list[float] = []
+    ratios: dict[int, dict[str, float]] = {}
+    first_nan = None
+    with controller:
+        for step in range(args.steps):
+            batch = next(batches)
+            if step in probe_at:
+                with controller.paused():
+                    ratios[step] = variance_ratios(model, task, config, args.variance_draws, seed)
+
+            def closure(batch: Batch = batch) -> torch.Tensor:
+                loss = task.loss(model, batch)
+                optimizer.zero_grad()
+                loss.backward()
+                return loss
+
+            loss = float(controller.iterate(closure).detach())
+            norms = [p.grad.norm() for p in model.parameters() if p.grad is not None]
+            grad_norms.append(float(torch.linalg.vector_norm(torch.stack(norms))))
+            optimizer.step()
+            losses.append(loss)
+            if not math.isfinite(loss):
+                first_nan = step
+                break
+    tail = losses[-args.tail :]
+    return {
+        "model": args.model,
+        "level": level,
+        "seed": seed,
+        "lr": lr,
+        "layout": args.layout,
+        "steps": args.steps,
+        "first_nan_step": first_nan,
+        "final_loss": statistics.fmean(tail) if first_nan is None else math.nan,
+        "max_grad_norm": max(grad_norms),
+        "losses": losses,
+        "grad_norms": grad_norms,
+        "variance_ratios": ratios,
+        "ratio": controller.stats()["ratio"],
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", required=True)
+    p.add_argument("--model", choices=("resnet18", "vit", "llama"), default="resnet18")
+    p.add_argument("--levels", default="L0,L1,L2,L1.2,L2.2")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--lrs", default="0.05,0.1", help="learning rates (SGD for resnet18, AdamW)")
+    p.add_argument("--images", type=int, default=2000)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--tail", type=int, default=20, help="final loss: mean of the last N steps")
+    p.add_argument(
+        "--layout", choices=("channel", "memory"), default="channel",
+        help="GactConfig.channel_groups on (channel) or off (memory order, the original's)",
+    )  # fmt: skip
+    p.add_argument(
+        "--variance-steps", default="",
+        help="steps at which L1 runs measure quantization / minibatch variance per parameter",
+    )  # fmt: skip
+    p.add_argument("--variance-draws", type=int, default=8)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--out", default="stability.json")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    task = make_task(args.model, args)
+    records = []
+    for lr in (float(v) for v in args.lrs.split(",")):
+        for seed in (int(s) for s in args.seeds.split(",")):
+            for level in args.levels.split(","):
+                rec = train(task, level, seed, lr, args)
+                records.append(rec)
+                Path(args.out).write_text(json.dumps(records))
+                print(f"{args.model} lr {lr} seed {seed} {level}: first NaN at "
+                      f"{rec['first_nan_step']}, final loss {rec['final_loss']:.3f}, max grad "
+                      f"norm {rec['max_grad_norm']:.1f}", flush=True)  # fmt: skip
+    return records
+
+
+if __name__ == "__main__":
+    main()
