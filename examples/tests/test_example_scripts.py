@@ -174,3 +174,31 @@ def test_stability_script_records_divergence(data_root, tmp_path, script):
     (rec,) = script("stability.py").main(argv)
     assert rec["first_nan_step"] is not None and len(rec["losses"]) == rec["first_nan_step"] + 1
     assert math.isnan(rec["final_loss"])
+
+
+def test_stability_report(tmp_path, script):
+    """stability_report.py: NaN steps per seed, final loss against fp32, variance per layer."""
+
+    def rec(level, seed, loss, nan=None, ratios=None):
+        return {
+            "model": "resnet18", "layout": "channel", "lr": 0.1, "level": level, "seed": seed,
+            "first_nan_step": nan, "final_loss": loss, "max_grad_norm": 10.0 + seed,
+            "variance_ratios": ratios or {},
+        }  # fmt: skip
+
+    records = [
+        rec("L0", 0, 1.0),
+        rec("L0", 1, 1.2),
+        rec(
+            "L1", 0, 1.1, ratios={"0": {"layer4.1.bn2.weight": 0.05, "layer4.0.conv1.weight": 0.2}}
+        ),
+        rec("L1", 1, 1.1, ratios={"0": {"layer4.1.bn2.weight": 0.01}}),
+        rec("L1.2", 0, math.nan, nan=7),
+        rec("L1.2", 1, math.nan, nan=12),
+    ]
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(records))
+    text = script("stability_report.py").main([str(path)])
+    assert "| resnet18 | 0.1 | L1 | -, - | 1.100 ± 0.000 | +0.0% | 11 |" in text
+    assert "| resnet18 | 0.1 | L1.2 | 7, 12 | diverged |" in text
+    assert "| layer4 | 20.0% |" in text  # the largest over the layer's parameters and seeds
