@@ -91,11 +91,19 @@ def test_grouping_is_the_fewest_even_groups(
     assert run - length < 8 * (run // group)  # fewer than 8 padded elements per group
 
 
-def test_aligned_planes_need_no_copy() -> None:
-    """A contiguous NCHW tensor whose planes are whole groups is stored as without the flag."""
-    x = torch.randn(4, 6, 16, 16)
+@pytest.mark.parametrize("plane,group", [((16, 16), 256), ((56, 56), 224), ((5, 48), 240)])
+def test_planes_of_whole_groups_need_no_copy(plane: tuple[int, int], group: int) -> None:
+    """A contiguous NCHW tensor whose planes split into whole groups of 128-256 elements is
+    stored in memory order with that group size."""
+    x = torch.randn(2, 3, *plane)
     q = gact_kernels.quantize(x, 4, seed=2, channel_dim=1)
-    assert q.channel_dim is None and q == gact_kernels.quantize(x, 4, seed=2)
+    assert q.channel_dim is None and q == gact_kernels.quantize(x, 4, seed=2, group_size=group)
+
+
+def test_planes_without_such_groups_are_copied() -> None:
+    for plane in ((28, 28), (14, 14), (7, 7)):
+        q = gact_kernels.quantize(torch.randn(2, 3, *plane), 4, channel_dim=1)
+        assert q.channel_dim == 1, plane
 
 
 def test_channel_of_small_scale_keeps_its_precision() -> None:

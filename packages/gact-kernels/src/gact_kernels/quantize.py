@@ -26,6 +26,7 @@ from ._layout import (
     flat_view,
     from_channel_runs,
     memory_order,
+    plane_group,
     restore_stride,
     to_channel_runs,
 )
@@ -214,8 +215,9 @@ def quantize(
     in _layout.py): each channel's elements are grouped on their own, in runs padded to whole
     groups of at most ``group_size`` (the container's ``group_size`` is the one used). Use it
     for convolution-style activations (``channel_dim=1`` of NCHW or channels-last tensors),
-    whose channels differ in scale. It costs one copy each way when the memory order would
-    let a group cross a channel; otherwise the result is that of ``channel_dim=None``.
+    whose channels differ in scale. A contiguous tensor whose channel planes split into whole
+    groups of between ``group_size / 2`` and ``group_size`` elements is stored in memory order
+    with that group size (``channel_dim`` is then ``None``); any other costs one copy each way.
 
     Args:
         x: dense float32, float16 or bfloat16 tensor of any shape, on CPU or CUDA.
@@ -263,10 +265,11 @@ def quantize(
     x = x.detach()
     if channel_dim is not None:
         channel_dim = check_channel_dim(channel_dim, x.dim())
-        if x.numel() == 0 or (
-            x.is_contiguous() and math.prod(x.shape[channel_dim + 1 :]) % group_size == 0
-        ):
-            channel_dim = None  # memory order already keeps groups inside channels
+        plane = plane_group(math.prod(x.shape[channel_dim + 1 :]), group_size)
+        if x.numel() == 0:
+            channel_dim = None
+        elif x.is_contiguous() and plane is not None:
+            group_size, channel_dim = plane, None  # memory order keeps groups inside channels
     if channel_dim is None:
         flat, stride = memory_order(x)
     else:
