@@ -202,3 +202,41 @@ def test_stability_report(tmp_path, script):
     assert "| resnet18 | 0.1 | L1 | -, - | 1.100 ± 0.000 | +0.0% | 11 |" in text
     assert "| resnet18 | 0.1 | L1.2 | 7, 12 | diverged |" in text
     assert "| layer4 | 20.0% |" in text  # the largest over the layer's parameters and seeds
+
+
+def test_memory_bench(data_root, tmp_path, script):
+    """memory_bench.py: one process per run, peak growth and step time per level, the table."""
+    bench = script("memory_bench.py")
+    assert bench.allocator_env("default") == {}
+    assert bench.allocator_env("glibc-tuned")["MALLOC_MMAP_THRESHOLD_"] == "131072"
+    out = tmp_path / "m.json"
+    argv = ["--data", str(data_root), "--models", "resnet18,char-gpt", "--levels", "L0,L1"]
+    argv += ["--allocators", "default", "--steps", "2", "--json", str(out)]
+    argv += ["--plot", str(tmp_path / "m.png")]
+    records = bench.main(argv)
+    assert json.loads(out.read_text()) == records and (tmp_path / "m.png").stat().st_size > 0
+    assert [(r["model"], r["level"]) for r in records] == [
+        ("resnet18", "L0"), ("resnet18", "L1"), ("char-gpt", "L0"), ("char-gpt", "L1")
+    ]  # fmt: skip
+    for r in records:
+        assert r["peak_growth_bytes"] > 0 and r["step_s"] > 0 and r["saved_bytes"] > 0
+        compressed = r["level"] != "L0"
+        assert (r["stored_bytes"] < r["saved_bytes"] / 4) == compressed
+    text = bench.table(records)
+    assert "| default | char-gpt (" in text and "x less" in text
+
+
+def test_memory_bench_rejects_unknown_models(data_root, script):
+    with pytest.raises(ValueError, match=r"unknown model\(s\) \['nomodel'\]"):
+        script("memory_bench.py").main(
+            [
+                "--data",
+                str(data_root),
+                "--models",
+                "nomodel",
+                "--levels",
+                "L0",
+                "--allocators",
+                "default",
+            ]
+        )

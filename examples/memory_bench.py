@@ -1,0 +1,290 @@
+"""The memory a user's process feels: peak resident-set growth and step time of real models,
+fp32 against GACT levels, under the C allocator the process runs with.
+
+Each (model, level, allocator) runs in a fresh process: it builds the model, then trains
+``--steps`` steps on real data, and reports the growth of the peak resident set (VmHWM) over the
+resident size before the first step (weights, data and the interpreter are the baseline; the
+optimizer state, the working set and what autograd saves are the growth), the median step time
+after the first step, and what GACT saved and stored per step. Allocators:
+
+- ``default``: glibc's malloc as every process starts with it (what users run);
+- ``glibc-tuned``: ``MALLOC_MMAP_THRESHOLD_=131072`` and ``MALLOC_TRIM_THRESHOLD_=131072`` in the
+  child's environment, so that freed blocks of 128 KiB and more leave the process (what the
+  examples' ``--get-mem`` runs set with ``mallopt``);
+- ``tcmalloc``, ``jemalloc``: the library preloaded with ``LD_PRELOAD`` (skipped when its shared
+  object is not found; Debian's ``libtcmalloc-minimal4`` and ``libjemalloc2``).
+
+Models: ``gpt2`` and ``bert`` from ``transformers`` configs (4 layers of width 128 on 32 x 128
+tiny-shakespeare characters; BERT 2 layers, classifying which half of the corpus a window comes
+from), ``resnet18`` (torchvision's layout on 64 CIFAR-10 images), ``char-gpt`` (the char-GPT
+example's memory configuration: 6 layers, 64 x 128 characters), ``mnist`` (the MNIST example's
+memory configuration: ResNet-small with 3 blocks per stage, batch 512).
+
+    python examples/memory_bench.py --data ../shared/data --json memory_bench.json \\
+        --plot plots/memory_bench.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+MODELS = ("gpt2", "bert", "resnet18", "char-gpt", "mnist")
+LEVELS = ("L0", "L1", "L2", "L1.2", "L2.2")
+PRELOADS = {
+    "tcmalloc": ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"),
+    "jemalloc": ("libjemalloc.so.2",),
+}
+LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib")
+
+
+def allocator_env(name: str) -> dict[str, str] | None:
+    """Environment variables that select ``name`` in a child process; None if unavailable."""
+    if name == "default":
+        return {}
+    if name == "glibc-tuned":
+        return {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
+    for lib in PRELOADS[name]:
+        for folder in LIB_DIRS:
+            path = Path(folder) / lib
+            if path.exists():
+                return {"LD_PRELOAD": str(path)}
+    return None
+
+
+def _vm(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status (Linux only)")
+
+
+def _workload(model_name: str, data: str) -> tuple[Any, Callable[[], Any], str]:
+    """The model, a closure running forward + backward on the next batch, and the optimizer
+    kind."""
+    import torch
+    import torch.nn.functional as F
+    from gact_examples.data import load_char_corpus, load_cifar10, load_mnist
+    from gact_examples.models import CharGPT, ResNet18, ResNetSmall
+
+    gen = torch.Generator().manual_seed(0)
+    if model_name in ("gpt2", "bert", "char-gpt"):
+        corpus = load_char_corpus(data)
+        ids = torch.from_numpy(corpus["train"])
+        vocab = len(corpus["chars"])
+        batch = 64 if model_name == "char-gpt" else 32
+        starts = torch.randint(0, len(ids) - 129, (batch,), generator=gen)
+        x = ids[starts[:, None] + torch.arange(128)]
+        if model_name == "gpt2":
+            from transformers import GPT2Config, GPT2LMHeadModel
+
+            config = GPT2Config(n_layer=4, n_embd=128, n_head=4, vocab_size=vocab, n_positions=128)
+            model = GPT2LMHeadModel(config)
+            return model, lambda: model(input_ids=x, labels=x).loss, "adamw"
+        if model_name == "bert":
+            from transformers import BertConfig, BertForSequenceClassification
+
+            config = BertConfig(
+                vocab_size=vocab, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                intermediate_size=512, max_position_embeddings=128, num_labels=2,
+            )  # fmt: skip
+            model = BertForSequenceClassification(config)
+            y = (starts > len(ids) // 2).long()
+            return model, lambda: model(input_ids=x, labels=y).loss, "adamw"
+        model = CharGPT(vocab, block_size=128, n_layer=6, n_head=4, n_embd=128, dropout=0.1)
+        return model, lambda: F.cross_entropy(model(x).flatten(0, 1), x.flatten()), "adamw"
+    if model_name == "resnet18":
+        images = load_cifar10(data)["x_train"][:64]
+        x = torch.from_numpy(images).float().div(255).permute(0, 3, 1, 2).contiguous()
+        y = torch.arange(len(x)) % 10
+        model = ResNet18()
+        return model, lambda: F.cross_entropy(model(x), y), "sgd"
+    mnist = load_mnist(data)
+    x = torch.from_numpy(mnist["x_train"][:512]).float().div(255).unsqueeze(1)
+    y = torch.from_numpy(mnist["y_train"][:512]).long()
+    model = ResNetSmall(in_channels=1, width=16, blocks=3)
+    return model, lambda: F.cross_entropy(model(x), y), "sgd"
+
+
+def worker(model_name: str, level: str, steps: int, data: str) -> dict[str, Any]:
+    """One run in this process (see the module docstring)."""
+    import torch
+    from gact import Controller, GactConfig
+
+    torch.manual_seed(0)
+    model, loss_of, kind = _workload(model_name, data)
+    model.train()
+    params = model.parameters()
+    optimizer = (
+        torch.optim.AdamW(params, lr=1e-3)
+        if kind == "adamw"
+        else torch.optim.SGD(params, lr=0.01, momentum=0.9)
+    )
+
+    def closure() -> torch.Tensor:
+        loss = loss_of()
+        optimizer.zero_grad()
+        loss.backward()
+        return loss
+
+    controller = Controller(model, GactConfig.from_level(level))
+    baseline = _vm("VmRSS")
+    times = []
+    with controller:
+        for _ in range(steps):
+            start = time.perf_counter()
+            controller.iterate(closure)
+            optimizer.step()
+            times.append(time.perf_counter() - start)
+    stats = controller.stats()
+    return {
+        "model": model_name,
+        "level": level,
+        "steps": steps,
+        "baseline_bytes": baseline,
+        "peak_growth_bytes": _vm("VmHWM") - baseline,
+        "step_s": statistics.median(times[1:]) if len(times) > 1 else times[0],
+        "saved_bytes": stats["original_bytes"],
+        "stored_bytes": stats["stored_bytes"],
+    }
+
+
+def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
+    records = []
+    for allocator in args.allocators.split(","):
+        env = allocator_env(allocator)
+        if env is None:
+            print(f"{allocator}: not found, skipped", file=sys.stderr)
+            continue
+        for model in args.models.split(","):
+            for level in args.levels.split(","):
+                cmd = [sys.executable, __file__, "--worker", model, level, "--data", args.data]
+                cmd += ["--steps", str(args.steps), "--threads", str(args.threads)]
+                proc = subprocess.run(
+                    cmd, env={**os.environ, **env}, capture_output=True, text=True, check=False
+                )
+                if proc.returncode:
+                    raise RuntimeError(
+                        f"{model} {level} {allocator} failed:\n{proc.stderr[-3000:]}"
+                    )
+                rec = {**json.loads(proc.stdout.strip().splitlines()[-1]), "allocator": allocator}
+                records.append(rec)
+                print(
+                    f"{allocator:11s} {model:9s} {level:5s} peak +{rec['peak_growth_bytes'] / 2**20:6.0f}"
+                    f" MiB, step {1e3 * rec['step_s']:6.0f} ms",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    return records
+
+
+def table(records: list[dict[str, Any]]) -> str:
+    """Peak growth (and its ratio to fp32's) and step time (ratio to fp32's), per allocator and
+    model, levels as columns."""
+    levels = [lv for lv in LEVELS if any(r["level"] == lv for r in records)]
+    lines = [
+        "| allocator | model (saved per step at fp32) | "
+        + " | ".join("fp32" if lv == "L0" else lv for lv in levels)
+        + " |",
+        "|---|---|" + "---|" * len(levels),
+    ]
+    keys = sorted(
+        {(r["allocator"], r["model"]) for r in records}, key=lambda k: (k[0], MODELS.index(k[1]))
+    )
+    for allocator, model in keys:
+        runs = {
+            r["level"]: r for r in records if (r["allocator"], r["model"]) == (allocator, model)
+        }
+        base = runs.get("L0")
+        cells = []
+        for lv in levels:
+            r = runs.get(lv)
+            if r is None:
+                cells.append("")
+                continue
+            mib = r["peak_growth_bytes"] / 2**20
+            cell = f"+{mib:.0f} MiB, {1e3 * r['step_s']:.0f} ms"
+            if base is not None and lv != "L0":
+                gain = base["peak_growth_bytes"] / max(r["peak_growth_bytes"], 1)
+                cell += f" ({gain:.2f}x less, {r['step_s'] / base['step_s']:.2f}x time)"
+            cells.append(cell)
+        saved = f"{base['saved_bytes'] / 2**20:.0f} MiB" if base else "?"
+        lines.append(f"| {allocator} | {model} ({saved}) | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(records: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    allocators = list(dict.fromkeys(r["allocator"] for r in records))
+    models = [m for m in MODELS if any(r["model"] == m for r in records)]
+    levels = [lv for lv in LEVELS if any(r["level"] == lv for r in records)]
+    fig, axes = plt.subplots(1, len(models), figsize=(3.2 * len(models), 3.4), squeeze=False)
+    width = 0.8 / len(allocators)
+    for ax, model in zip(axes[0], models):
+        for i, allocator in enumerate(allocators):
+            values = [
+                next(
+                    (
+                        r["peak_growth_bytes"] / 2**20
+                        for r in records
+                        if (r["model"], r["level"], r["allocator"]) == (model, lv, allocator)
+                    ),
+                    0.0,
+                )
+                for lv in levels
+            ]
+            ax.bar([j + i * width for j in range(len(levels))], values, width, label=allocator)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(levels))])
+        ax.set_xticklabels(["fp32" if lv == "L0" else lv for lv in levels], fontsize=8)
+        ax.set_title(model, fontsize=9)
+        ax.set_ylabel("peak RSS growth (MiB)", fontsize=8)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", required=True)
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--levels", default="L0,L1,L2,L2.2")
+    p.add_argument("--allocators", default="default,glibc-tuned,tcmalloc")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None)
+    p.add_argument("--worker", nargs=2, metavar=("MODEL", "LEVEL"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        print(json.dumps(worker(*args.worker, args.steps, args.data)))
+        return []
+    unknown = set(args.models.split(",")) - set(MODELS)
+    if unknown:
+        raise ValueError(f"unknown model(s) {sorted(unknown)}; choose from {', '.join(MODELS)}")
+    records = run_all(args)
+    print(table(records))
+    if args.json:
+        Path(args.json).write_text(json.dumps(records, indent=1))
+    if args.plot:
+        plot(records, args.plot)
+    return records
+
+
+if __name__ == "__main__":
+    main()
