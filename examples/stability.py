@@ -10,7 +10,9 @@ near the edge of fp32's stable learning rates, at every level and seed.
 The record of each run says whether and when the loss became NaN, its final loss (mean of the
 last ``--tail`` steps) and its largest gradient norm. With ``--variance-steps``, the L1 runs also
 measure, at those steps and per parameter, the variance that rounding adds to the gradient over
-the minibatch variance (the premise of GACT's analysis: it should be small). ``--layout memory``
+the minibatch variance (the premise of GACT's analysis: it should be small), and with
+``--channel-error-steps`` each 4-D save's worst per-channel rounding error at 4 bits in both
+group layouts (what BatchNorm divides by the channel's spread). ``--layout memory``
 groups in memory order, as the original GACT did (``GactConfig(channel_groups=False)``).
 
     python examples/stability.py --data DATA --model resnet18 --lrs 0.05,0.1 --seeds 0,1,2 \
@@ -29,6 +31,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import gact_kernels
 import torch
 import torch.nn.functional as F
 from gact import Controller, GactConfig
@@ -162,6 +165,32 @@ def variance_ratios(
     return {n: rounding[n] / max(minibatch[n], 1e-30) for n in minibatch}
 
 
+def channel_errors(model: nn.Module, task: Task, batch: Batch, bits: int) -> list[dict[str, Any]]:
+    """For every float save of rank 4 or more in one forward: the worst channel's rounding error
+    at ``bits`` over that channel's standard deviation (the error BatchNorm divides by it), in
+    memory-order groups and in channel groups, one rounding seed."""
+    saves: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() >= 4 and t.dtype.is_floating_point and not isinstance(t, nn.Parameter):
+            saves.append(t.detach().clone())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        task.loss(copy.deepcopy(model), batch)
+    rows = []
+    for index, t in enumerate(saves):
+        dims = [d for d in range(t.dim()) if d != 1]
+        spread = t.float().std(dims).clamp_min(1e-12)
+        row: dict[str, Any] = {"index": index, "shape": list(t.shape)}
+        for name, channel_dim in (("memory", None), ("channel", 1)):
+            q = gact_kernels.quantize(t, bits, seed=index, channel_dim=channel_dim)
+            err = (gact_kernels.dequantize(q) - t).float().pow(2).mean(dims).sqrt() / spread
+            row[name] = float(err.max())
+        rows.append(row)
+    return rows
+
+
 def train(task: Task, level: str, seed: int, lr: float, args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(seed)
     model = task.build()
@@ -171,9 +200,13 @@ def train(task: Task, level: str, seed: int, lr: float, args: argparse.Namespace
     config = GactConfig.from_level(level, seed=seed, channel_groups=args.layout == "channel")
     controller = Controller(model, config)
     probe_at = {int(s) for s in args.variance_steps.split(",") if s} if level == "L1" else set()
+    errors_at = (
+        {int(s) for s in args.channel_error_steps.split(",") if s} if level == "L1" else set()
+    )
     losses: list[float] = []
     grad_norms: list[float] = []
     ratios: dict[int, dict[str, float]] = {}
+    errors: dict[int, list[dict[str, Any]]] = {}
     first_nan = None
     with controller:
         for step in range(args.steps):
@@ -181,6 +214,9 @@ def train(task: Task, level: str, seed: int, lr: float, args: argparse.Namespace
             if step in probe_at:
                 with controller.paused():
                     ratios[step] = variance_ratios(model, task, config, args.variance_draws, seed)
+            if step in errors_at:
+                with controller.paused():
+                    errors[step] = channel_errors(model, task, batch, 4)
 
             def closure(batch: Batch = batch) -> torch.Tensor:
                 loss = task.loss(model, batch)
@@ -210,6 +246,7 @@ def train(task: Task, level: str, seed: int, lr: float, args: argparse.Namespace
         "losses": losses,
         "grad_norms": grad_norms,
         "variance_ratios": ratios,
+        "channel_errors": errors,
         "ratio": controller.stats()["ratio"],
     }
 
@@ -234,6 +271,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         help="steps at which L1 runs measure quantization / minibatch variance per parameter",
     )  # fmt: skip
     p.add_argument("--variance-draws", type=int, default=8)
+    p.add_argument(
+        "--channel-error-steps", default="",
+        help="steps at which L1 runs record each 4-D save's worst per-channel rounding error",
+    )  # fmt: skip
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--out", default="stability.json")
     args = p.parse_args(argv)

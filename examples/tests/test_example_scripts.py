@@ -151,6 +151,7 @@ def test_stability_script(model, data_root, tmp_path, script):
     argv = ["--data", str(data_root), "--model", model, "--levels", "L0,L1", "--seeds", "0"]
     argv += ["--lrs", "0.001", "--steps", "3", "--batch-size", "4", "--images", "16"]
     argv += ["--variance-steps", "1", "--variance-draws", "2", "--out", str(out)]
+    argv += ["--channel-error-steps", "2"]
     records = script("stability.py").main(argv)
     assert json.loads(out.read_text()) == json.loads(json.dumps(records))
     fp32, l1 = json.loads(out.read_text())
@@ -165,6 +166,11 @@ def test_stability_script(model, data_root, tmp_path, script):
         and all(r >= 0 and math.isfinite(r) for r in ratios.values())
         and max(ratios.values()) > 0
     )
+    errors = l1["channel_errors"]["2"]
+    if model == "resnet18":  # its 1x1 maps: memory-order groups span channels
+        assert errors and all(e["channel"] < 1.0 for e in errors)
+        assert max(e["memory"] for e in errors) > max(e["channel"] for e in errors)
+    assert not fp32["channel_errors"]
 
 
 def test_stability_script_records_divergence(data_root, tmp_path, script):
