@@ -250,8 +250,9 @@ def plot(records: list[dict[str, Any]], path: str) -> None:
         ax.set_xticklabels(["fp32" if lv == "L0" else lv for lv in levels], fontsize=8)
         ax.set_title(model, fontsize=9)
         ax.set_ylabel("peak RSS growth (MiB)", fontsize=8)
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=len(allocators), fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.9))
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
 
