@@ -151,7 +151,8 @@ def variance_ratios(
 ) -> dict[str, float]:
     """Per parameter, the quantization variance of the gradient at ``config`` (over ``draws``
     rounding seeds on one batch) over the minibatch variance (fp32, over as many batches of the
-    same size), both at the model's current weights, in train mode."""
+    same size), both at the model's current weights, in train mode. Parameters whose minibatch
+    variance is below 1e-12 of the largest (a gradient identically zero) are left out."""
     probe = copy.deepcopy(model)  # BatchNorm's running statistics move on the copy only
     probe.train()
     batches = task.batches(torch.Generator().manual_seed(10_000 + seed))
@@ -162,7 +163,10 @@ def variance_ratios(
         with Controller(probe, config.replace(seed=1000 * seed + r)):
             rounded.append(_grads(probe, task, batch))
     rounding = _spread(rounded)
-    return {n: rounding[n] / max(minibatch[n], 1e-30) for n in minibatch}
+    # a gradient that is zero whatever the batch (the bias of a key projection: softmax ignores
+    # a shift of a query's scores) has no minibatch variance to compare with
+    floor = 1e-12 * max(minibatch.values())
+    return {n: rounding[n] / minibatch[n] for n in minibatch if minibatch[n] > floor}
 
 
 def channel_errors(model: nn.Module, task: Task, batch: Batch, bits: int) -> list[dict[str, Any]]:
