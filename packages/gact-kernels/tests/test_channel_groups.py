@@ -13,7 +13,7 @@ import pytest
 import torch
 from gact_kernels._layout import channel_grouping, to_channel_runs
 from gact_kernels.reference import reference_dequantize
-from kernels_testing import DTYPES, bits_equal
+from kernels_testing import DTYPES, bits_equal, requires_cuda
 
 LAYOUTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "contiguous": lambda t: t,
@@ -167,3 +167,16 @@ def test_hand_built_container_is_checked() -> None:
         dataclasses.replace(q, channel_dim=7)
     with pytest.raises(ValueError, match=r"QuantizedTensor\.data"):  # padded codes, plain layout
         dataclasses.replace(q, channel_dim=None)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_cuda_matches_cpu(layout: str, dtype: torch.dtype) -> None:
+    """The layout is torch code and the kernels are byte-equal: CUDA stores and restores what
+    the CPU does."""
+    x = LAYOUTS[layout](_banded(SHAPES["1x1 maps, batch 50 (padded runs)"], dtype))
+    cpu = gact_kernels.quantize(x, 3, seed=5, channel_dim=1)
+    cuda = gact_kernels.quantize(x.cuda(), 3, seed=5, channel_dim=1)
+    assert cuda.to("cpu") == cpu
+    assert bits_equal(gact_kernels.dequantize(cuda).cpu(), gact_kernels.dequantize(cpu))
