@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import os
+import sys
+import traceback
 from pathlib import Path
 
 import pytest
@@ -29,17 +32,32 @@ def _init(rank: int, store: str) -> None:
     )
 
 
-def _close() -> None:
-    """Leave the group together: a rank that tears gloo down while the other is still in a
-    collective aborts the process ("terminate called without an active exception")."""
-    dist.barrier()
-    dist.destroy_process_group()
+def _close(code: int) -> None:
+    """Leave the group together, then end the process at once with ``code``.
+
+    A rank that tears gloo down while the other is still in a collective aborts, and so, now and
+    then, does a rank whose interpreter shutdown destroys a C++ thread gloo or DDP still holds
+    ("terminate called without an active exception": SIGABRT after the test's work was done, on
+    a busy machine). The results are in the queue before this runs, and ``os._exit`` skips that
+    shutdown; a failure exits non-zero, which ``start_processes`` reports.
+    """
+    try:
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _worker(rank: int, store: str, queue: mp.SimpleQueue, bucket_view: bool) -> None:
     from gact import Controller, GactConfig
 
     _init(rank, store)
+    code = 1
     try:
         torch.manual_seed(0)  # same initial weights on every rank
         model = DistributedDataParallel(
@@ -76,8 +94,11 @@ def _worker(rank: int, store: str, queue: mp.SimpleQueue, bucket_view: bool) -> 
         params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         digest = hashlib.sha256(params.numpy().tobytes()).hexdigest()  # small: the pipe is joined
         queue.put((rank, dict(controller.plan.bits), digest, grads_kept))
+        code = 0
+    except BaseException:
+        traceback.print_exc()
     finally:
-        _close()
+        _close(code)
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
@@ -104,6 +125,7 @@ def _fsdp_worker(rank: int, store: str, queue: mp.SimpleQueue) -> None:
     from torch.distributed.fsdp import fully_shard
 
     _init(rank, store)
+    code = 1
     try:
         torch.manual_seed(0)
         model = nn.Sequential(
@@ -140,8 +162,11 @@ def _fsdp_worker(rank: int, store: str, queue: mp.SimpleQueue) -> None:
                 not quantized_shapes & parameter_shapes,
             )
         )
+        code = 0
+    except BaseException:
+        traceback.print_exc()
     finally:
-        _close()
+        _close(code)
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
