@@ -18,6 +18,7 @@ __all__ = [
     "flat_view",
     "from_channel_runs",
     "memory_order",
+    "padded_run",
     "plane_group",
     "restore_stride",
     "to_channel_runs",
@@ -117,7 +118,12 @@ def channel_grouping(shape: torch.Size, channel_dim: int, group_size: int) -> tu
     run = shape.numel() // channels
     count = -(-run // group_size)
     group = (-(-run // count) + 7) // 8 * 8
-    return group, -(-run // group) * group
+    return group, padded_run(run, group)
+
+
+def padded_run(run: int, group: int) -> int:
+    """A channel's run of ``run`` elements padded to whole groups of ``group``."""
+    return -(-run // group) * group
 
 
 def _channel_view(t: torch.Tensor, channel_dim: int) -> torch.Tensor:
@@ -148,7 +154,7 @@ def to_channel_runs(x: torch.Tensor, channel_dim: int, group: int) -> torch.Tens
     """``x`` copied channel-major as a flat block of padded runs (NOTE [channel groups])."""
     channels = x.shape[channel_dim]
     run = x.numel() // channels
-    padded = -(-run // group) * group
+    padded = padded_run(run, group)
     block = x.new_empty((channels, padded))
     moved = _channel_view(x, channel_dim)
     block[:, :run].view(moved.shape).copy_(moved)

@@ -26,6 +26,7 @@ from ._layout import (
     flat_view,
     from_channel_runs,
     memory_order,
+    padded_run,
     plane_group,
     restore_stride,
     to_channel_runs,
@@ -119,7 +120,7 @@ class QuantizedTensor(Compressed):
             return self.numel
         channels = self.shape[self.channel_dim]
         run = self.numel // channels
-        return channels * (-(-run // self.group_size) * self.group_size)
+        return channels * padded_run(run, self.group_size)
 
     def _validate(self) -> None:
         check_bits(self.bits, "QuantizedTensor.bits")
