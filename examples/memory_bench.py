@@ -14,11 +14,8 @@ after the first step, and what GACT saved and stored per step. Allocators:
 - ``tcmalloc``, ``jemalloc``: the library preloaded with ``LD_PRELOAD`` (skipped when its shared
   object is not found; Debian's ``libtcmalloc-minimal4`` and ``libjemalloc2``).
 
-Models: ``gpt2`` and ``bert`` from ``transformers`` configs (4 layers of width 128 on 32 x 128
-tiny-shakespeare characters; BERT 2 layers, classifying which half of the corpus a window comes
-from), ``resnet18`` (torchvision's layout on 64 CIFAR-10 images), ``char-gpt`` (the char-GPT
-example's memory configuration: 6 layers, 64 x 128 characters), ``mnist`` (the MNIST example's
-memory configuration: ResNet-small with 3 blocks per stage, batch 512).
+Models: ``gact_examples.workloads.MODELS`` (GPT-2 and BERT from ``transformers`` configs, the
+ResNet-18 layout, the char-GPT and MNIST examples' memory configurations, on real data).
 
     python examples/memory_bench.py --data ../shared/data --json memory_bench.json \\
         --plot plots/memory_bench.png
@@ -37,7 +34,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-MODELS = ("gpt2", "bert", "resnet18", "char-gpt", "mnist")
+from gact_examples.workloads import MODELS, workload
+
 LEVELS = ("L0", "L1", "L2", "L1.2", "L2.2")
 PRELOADS = {
     "tcmalloc": ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"),
@@ -67,67 +65,13 @@ def _vm(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status (Linux only)")
 
 
-def _workload(model_name: str, data: str) -> tuple[Any, Callable[[], Any], str]:
-    """The model, a closure running forward + backward on the next batch, and the optimizer
-    kind."""
-    import torch
-    import torch.nn.functional as F
-    from gact_examples.data import load_char_corpus, load_cifar10, load_mnist
-    from gact_examples.models import CharGPT, ResNet18, ResNetSmall
-
-    gen = torch.Generator().manual_seed(0)
-    if model_name in ("gpt2", "bert", "char-gpt"):
-        corpus = load_char_corpus(data)
-        ids = torch.from_numpy(corpus["train"])
-        vocab = len(corpus["chars"])
-        batch = 64 if model_name == "char-gpt" else 32
-        starts = torch.randint(0, len(ids) - 129, (batch,), generator=gen)
-        x = ids[starts[:, None] + torch.arange(128)]
-        if model_name == "gpt2":
-            from transformers import GPT2Config, GPT2LMHeadModel
-
-            config = GPT2Config(n_layer=4, n_embd=128, n_head=4, vocab_size=vocab, n_positions=128)
-            model = GPT2LMHeadModel(config)
-            return model, lambda: model(input_ids=x, labels=x).loss, "adamw"
-        if model_name == "bert":
-            from transformers import BertConfig, BertForSequenceClassification
-
-            config = BertConfig(
-                vocab_size=vocab, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
-                intermediate_size=512, max_position_embeddings=128, num_labels=2,
-            )  # fmt: skip
-            model = BertForSequenceClassification(config)
-            y = (starts > len(ids) // 2).long()
-            return model, lambda: model(input_ids=x, labels=y).loss, "adamw"
-        model = CharGPT(vocab, block_size=128, n_layer=6, n_head=4, n_embd=128, dropout=0.1)
-        return model, lambda: F.cross_entropy(model(x).flatten(0, 1), x.flatten()), "adamw"
-    if model_name == "resnet18":
-        images = load_cifar10(data)["x_train"][:64]
-        x = torch.from_numpy(images).float().div(255).permute(0, 3, 1, 2).contiguous()
-        y = torch.arange(len(x)) % 10
-        model = ResNet18()
-        return model, lambda: F.cross_entropy(model(x), y), "sgd"
-    mnist = load_mnist(data)
-    x = torch.from_numpy(mnist["x_train"][:512]).float().div(255).unsqueeze(1)
-    y = torch.from_numpy(mnist["y_train"][:512]).long()
-    model = ResNetSmall(in_channels=1, width=16, blocks=3)
-    return model, lambda: F.cross_entropy(model(x), y), "sgd"
-
-
 def worker(model_name: str, level: str, steps: int, data: str) -> dict[str, Any]:
     """One run in this process (see the module docstring)."""
     import torch
     from gact import Controller, GactConfig
 
     torch.manual_seed(0)
-    model, loss_of, kind = _workload(model_name, data)
-    model.train()
-    params = model.parameters()
-    optimizer = (
-        torch.optim.AdamW(params, lr=1e-3)
-        if kind == "adamw"
-        else torch.optim.SGD(params, lr=0.01, momentum=0.9)
-    )
+    model, loss_of, optimizer = workload(model_name, data)
 
     def closure() -> torch.Tensor:
         loss = loss_of()

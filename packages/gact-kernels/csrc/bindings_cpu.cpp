@@ -14,8 +14,9 @@ PYBIND11_MODULE(_cpu, m) {
       "quantize",
       [](uintptr_t x, int dtype, int64_t n, int64_t group_size, int bits, uint64_t seed,
          bool zero_exact, uintptr_t out, uintptr_t lo, uintptr_t scale, int threads) {
-        gact::quantize_cpu(ptr<const void>(x), dtype, n, group_size, bits, seed, zero_exact,
-                           ptr<uint8_t>(out), ptr<float>(lo), ptr<float>(scale), threads);
+        return gact::quantize_cpu(ptr<const void>(x), dtype, n, group_size, bits, seed,
+                                  zero_exact, ptr<uint8_t>(out), ptr<float>(lo),
+                                  ptr<float>(scale), threads);
       },
       py::arg("x"), py::arg("dtype"), py::arg("n"), py::arg("group_size"), py::arg("bits"),
       py::arg("seed"), py::arg("zero_exact"), py::arg("out"), py::arg("lo"), py::arg("scale"),
@@ -31,6 +32,14 @@ PYBIND11_MODULE(_cpu, m) {
       py::arg("data"), py::arg("lo"), py::arg("scale"), py::arg("n"), py::arg("group_size"),
       py::arg("bits"), py::arg("seed"), py::arg("zero_exact"), py::arg("dtype"), py::arg("out"),
       py::arg("threads"), Release());
+  m.def(
+      "bucketize",
+      [](uintptr_t x, int dtype, int64_t n, uintptr_t bounds, int nb, uintptr_t out, int threads) {
+        gact::bucketize_cpu(ptr<const void>(x), dtype, n, ptr<const float>(bounds), nb,
+                            ptr<uint8_t>(out), threads);
+      },
+      py::arg("x"), py::arg("dtype"), py::arg("n"), py::arg("bounds"), py::arg("nb"),
+      py::arg("out"), py::arg("threads"), Release());
   m.def(
       "pack_mask",
       [](uintptr_t in, int64_t n, uintptr_t out, int threads) {

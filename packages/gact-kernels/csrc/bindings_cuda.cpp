@@ -35,6 +35,15 @@ PYBIND11_MODULE(_cuda, m) {
       py::arg("bits"), py::arg("seed"), py::arg("zero_exact"), py::arg("dtype"), py::arg("out"),
       py::arg("device"), py::arg("stream"), Release());
   m.def(
+      "bucketize",
+      [](uintptr_t x, int dtype, int64_t n, uintptr_t bounds, int nb, uintptr_t out, int device,
+         uintptr_t stream) {
+        gact::bucketize_cuda(ptr<const void>(x), dtype, n, ptr<const float>(bounds), nb,
+                             ptr<uint8_t>(out), device, ptr<void>(stream));
+      },
+      py::arg("x"), py::arg("dtype"), py::arg("n"), py::arg("bounds"), py::arg("nb"),
+      py::arg("out"), py::arg("device"), py::arg("stream"), Release());
+  m.def(
       "pack_mask",
       [](uintptr_t in, int64_t n, uintptr_t out, int device, uintptr_t stream) {
         gact::pack_mask_cuda(ptr<const uint8_t>(in), n, ptr<uint8_t>(out), device,

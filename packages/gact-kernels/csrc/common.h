@@ -456,6 +456,16 @@ void dispatch(int dtype, int bits, A... args) {
     default: throw std::invalid_argument("dtype code must be 0 (fp32), 1 (fp16) or 2 (bf16)");
   }
 }
+// Calls F<DT>::run(args...) for a runtime float dtype code.
+template <template <int> class F, typename... A>
+void dispatch_float(int dtype, A... args) {
+  switch (dtype) {
+    case kFloat32: return F<kFloat32>::run(args...);
+    case kFloat16: return F<kFloat16>::run(args...);
+    case kBFloat16: return F<kBFloat16>::run(args...);
+    default: throw std::invalid_argument("dtype code must be 0 (fp32), 1 (fp16) or 2 (bf16)");
+  }
+}
 // Calls F<DT>::run(args...) for a runtime integer dtype code.
 template <template <int> class F, typename... A>
 void dispatch_int(int dtype, A... args) {

@@ -1,6 +1,7 @@
 // CPU kernels: OpenMP over groups (or mask bytes); inner loops are branch-free and written so
 // that gcc vectorises them. See NOTE [storage and RNG invariants] in common.h.
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <stdexcept>
 #include <vector>
@@ -105,11 +106,18 @@ GACT_SIMD void pack_codes(const uint8_t* __restrict q, int64_t m, uint8_t* __res
     }
   } else {  // B in {3, 5, 6, 7}: 8 codes (one uint64) -> B bytes
     const int64_t chunks = (m + kChunk - 1) / kChunk;
+    // A chunk is stored with one 8-byte write while the write ends inside this group's bytes
+    // (its top 8 - B bytes are zeros that the next chunk overwrites); the last ones with B.
+    const int64_t bytes = (m * B + 7) / 8;
+    const int64_t wide = bytes < 8 ? 0 : (bytes - 8) / B + 1;
     for (int64_t c = 0; c < chunks; ++c) {
       uint64_t codes, w = 0;
       std::memcpy(&codes, q + c * kChunk, kChunk);
+#pragma GCC unroll 8
       for (int k = 0; k < kChunk; ++k) w |= ((codes >> (8 * k)) & ((1u << B) - 1)) << (k * B);
-      if (c + 1 < chunks) {
+      if (c < wide) {
+        std::memcpy(dst + c * B, &w, 8);
+      } else if (c + 1 < chunks) {
         std::memcpy(dst + c * B, &w, B);
       } else {
         std::memcpy(dst + c * B, &w, ((m - c * kChunk) * B + 7) / 8);
@@ -130,7 +138,18 @@ GACT_SIMD void unpack_codes(const uint8_t* __restrict src, int64_t m, uint8_t* _
     }
   } else {  // B bytes -> 8 codes (one uint64)
     const int64_t full = m / kChunk;
-    for (int64_t c = 0; c < full; ++c) {
+    // One 8-byte read per chunk while it ends inside this group's bytes, B-byte reads after.
+    const int64_t bytes = (m * B + 7) / 8;
+    const int64_t wide = bytes < 8 ? 0 : std::min(full, (bytes - 8) / B + 1);
+    int64_t c = 0;
+    for (; c < wide; ++c) {
+      uint64_t w, codes = 0;
+      std::memcpy(&w, src + c * B, 8);
+#pragma GCC unroll 8
+      for (int k = 0; k < kChunk; ++k) codes |= ((w >> (k * B)) & mask) << (8 * k);
+      std::memcpy(q + c * kChunk, &codes, kChunk);
+    }
+    for (; c < full; ++c) {
       uint64_t w = 0, codes = 0;
       std::memcpy(&w, src + c * B, B);
       for (int k = 0; k < kChunk; ++k) codes |= ((w >> (k * B)) & mask) << (8 * k);
@@ -261,16 +280,48 @@ struct Dequantize {
   }
 };
 
+// Bucket counts of a chunk: per bound, one vectorised pass over the chunk (in L1 cache).
+GACT_SIMD void bucket_chunk(const float* __restrict xs, int64_t m, const float* __restrict bounds,
+                            int nb, uint8_t* __restrict out) {
+  for (int64_t j = 0; j < m; ++j) out[j] = 0;
+  for (int k = 0; k < nb; ++k) {
+    const float b = bounds[k];
+    for (int64_t j = 0; j < m; ++j) out[j] += static_cast<uint8_t>(!(xs[j] <= b));
+  }
+}
+
+template <int DT>
+struct Bucketize {
+  static void run(const void* x, int64_t n, const float* bounds, int nb, uint8_t* out,
+                  int threads) {
+    constexpr int64_t kSpan = 2048;  // elements per task, in L1 cache
+    const auto* in = static_cast<const typename Elem<DT>::type*>(x);
+    const int64_t spans = (n + kSpan - 1) / kSpan;
+#pragma omp parallel num_threads(team_size(threads, n))
+    {
+      std::vector<float> buf(kSpan);
+#pragma omp for schedule(dynamic, 16)
+      for (int64_t c = 0; c < spans; ++c) {
+        const int64_t first = c * kSpan, m = std::min(kSpan, n - first);
+        to_floats<DT>(in + first, m, buf.data());
+        bucket_chunk(buf.data(), m, bounds, nb, out + first);
+      }
+    }
+  }
+};
+
 }  // namespace
 
-void quantize_cpu(const void* x, int dtype, int64_t n, int64_t group_size, int bits,
-                  uint64_t seed, bool zero_exact, uint8_t* out, float* lo, float* scale,
-                  int threads) {
+int64_t quantize_cpu(const void* x, int dtype, int64_t n, int64_t group_size, int bits,
+                     uint64_t seed, bool zero_exact, uint8_t* out, float* lo, float* scale,
+                     int threads) {
   check_group_size(group_size);
   check_zero_exact(zero_exact, bits);
-  if (n <= 0) return;
+  if (n <= 0) return 0;
   dispatch<Quantize>(dtype, bits, x, n, group_size, quantize_key(seed), zero_exact, out, lo,
                      scale, threads);
+  const int64_t groups = (n + group_size - 1) / group_size;
+  return std::count_if(scale, scale + groups, [](float s) { return std::isnan(s); });
 }
 
 void dequantize_cpu(const uint8_t* data, const float* lo, const float* scale, int64_t n,
@@ -281,6 +332,13 @@ void dequantize_cpu(const uint8_t* data, const float* lo, const float* scale, in
   if (n <= 0) return;
   dispatch<Dequantize>(dtype, bits, data, lo, scale, n, group_size, dequantize_key(seed),
                        zero_exact, out, threads);
+}
+
+void bucketize_cpu(const void* x, int dtype, int64_t n, const float* bounds, int nb, uint8_t* out,
+                   int threads) {
+  if (nb < 0 || nb > 255) throw std::invalid_argument("bucketize: at most 255 bounds");
+  if (n <= 0) return;
+  dispatch_float<Bucketize>(dtype, x, n, bounds, nb, out, threads);
 }
 
 bool pack_mask_cpu(const uint8_t* in, int64_t n, uint8_t* out, int threads) {

@@ -276,6 +276,39 @@ void dequantize_cuda(const uint8_t* data, const float* lo, const float* scale, i
   check(cudaGetLastError(), "dequantize launch");
 }
 
+template <int DT>
+__global__ void __launch_bounds__(kThreads)
+    bucketize_kernel(const typename Elem<DT>::type* __restrict__ x, int64_t n,
+                     const float* __restrict__ bounds, int nb, uint8_t* __restrict__ out) {
+  __shared__ float b[255];
+  for (int k = threadIdx.x; k < nb; k += blockDim.x) b[k] = bounds[k];
+  __syncthreads();
+  for (int64_t i = global_thread(); i < n; i += grid_threads()) {
+    const float v = Elem<DT>::load(x[i]);
+    uint32_t code = 0;
+    for (int k = 0; k < nb; ++k) code += !(v <= b[k]);
+    out[i] = static_cast<uint8_t>(code);
+  }
+}
+
+template <int DT>
+struct BucketizeLaunch {
+  static void run(const void* x, int64_t n, const float* bounds, int nb, uint8_t* out,
+                  cudaStream_t stream) {
+    bucketize_kernel<DT><<<blocks_for(n), kThreads, 0, stream>>>(
+        static_cast<const typename Elem<DT>::type*>(x), n, bounds, nb, out);
+  }
+};
+
+void bucketize_cuda(const void* x, int dtype, int64_t n, const float* bounds, int nb,
+                    uint8_t* out, int device, void* stream) {
+  if (nb < 0 || nb > 255) throw std::invalid_argument("bucketize: at most 255 bounds");
+  if (n <= 0) return;
+  DeviceGuard guard(device);
+  dispatch_float<BucketizeLaunch>(dtype, x, n, bounds, nb, out, static_cast<cudaStream_t>(stream));
+  check(cudaGetLastError(), "bucketize launch");
+}
+
 void pack_mask_cuda(const uint8_t* in, int64_t n, uint8_t* out, int device, void* stream) {
   if (n <= 0) return;
   DeviceGuard guard(device);

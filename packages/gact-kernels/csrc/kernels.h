@@ -11,8 +11,9 @@ namespace gact {
 // lo, scale: ceil(n/group_size) floats each. `seed` selects the rounding noise; dequantize
 // derives its own stream (fp16/bf16 outputs are rounded stochastically) from the same seed.
 // zero_exact (bits >= 2): groups whose minimum is zero use the sign-exact grid; dequantize
-// must be given the same flag.
-void quantize_cpu(const void* x, int dtype, int64_t n, int64_t group_size, int bits,
+// must be given the same flag. quantize_cpu returns how many groups it stored losslessly (NaN
+// scale): the caller gathers their elements only when there are some.
+int64_t quantize_cpu(const void* x, int dtype, int64_t n, int64_t group_size, int bits,
                   uint64_t seed, bool zero_exact, uint8_t* out, float* lo, float* scale,
                   int threads);
 void dequantize_cpu(const uint8_t* data, const float* lo, const float* scale, int64_t n,
@@ -21,6 +22,11 @@ void dequantize_cpu(const uint8_t* data, const float* lo, const float* scale, in
 // in: n bytes (0/1); out: ceil(n/8) bytes. Returns true if an input byte was > 1.
 bool pack_mask_cpu(const uint8_t* in, int64_t n, uint8_t* out, int threads);
 void unpack_mask_cpu(const uint8_t* in, int64_t n, uint8_t* out, int threads);
+// x: n elements of float dtype 0..2; bounds: nb <= 255 non-decreasing floats (values of x's
+// dtype); out[i] = the number of bounds b with !(x[i] <= b), as torch.bucketize(x, bounds)
+// counts them (NaN -> nb).
+void bucketize_cpu(const void* x, int dtype, int64_t n, const float* bounds, int nb, uint8_t* out,
+                   int threads);
 // Integer packing, dtype 3..7 (uint8, int8, int16, int32, int64). int_params writes each
 // group's minimum and code width; the caller sums the groups' byte counts into `starts`
 // (exclusive prefix sum) and sizes `out`; pack_ints then writes the codes. unpack_ints fills
@@ -42,6 +48,8 @@ void dequantize_cuda(const uint8_t* data, const float* lo, const float* scale, i
                      int64_t group_size, int bits, uint64_t seed, bool zero_exact, int dtype,
                      void* out, int device, void* stream);
 // Bytes > 1 are packed as 1 (no validation on the device: it would need a sync).
+void bucketize_cuda(const void* x, int dtype, int64_t n, const float* bounds, int nb,
+                    uint8_t* out, int device, void* stream);
 void pack_mask_cuda(const uint8_t* in, int64_t n, uint8_t* out, int device, void* stream);
 void unpack_mask_cuda(const uint8_t* in, int64_t n, uint8_t* out, int device, void* stream);
 void int_params_cuda(const void* x, int dtype, int64_t n, int64_t group_size, int64_t* mins,

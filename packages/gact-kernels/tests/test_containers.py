@@ -196,3 +196,34 @@ def test_sparse_inputs_get_a_clear_message(call) -> None:
     sparse = torch.eye(4).to_sparse()
     with pytest.raises(ValueError, match=r"layout torch\.sparse_coo is not supported.*to_dense"):
         call(sparse)
+
+
+# --- the compressing functions' own containers skip validation: they must pass it -------------
+_SHAPES = [(0,), (7,), (3, 700), (5, 0, 3), (4, 6, 3, 3), (2, 512, 1, 1), (2, 3, 16, 16)]
+
+
+@pytest.mark.parametrize("shape", _SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_built_containers_pass_validation(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    # NOTE [container invariants]: quantize, pack_mask and pack_ints build their containers
+    # without re-validating them; every layout and option must still give a valid one
+    gen = torch.Generator().manual_seed(len(shape) * 31 + sum(shape))
+    x = torch.randn(shape, generator=gen).to(dtype)
+    if x.numel():
+        x.view(-1)[0] = float("nan")  # a lossless group
+    views = [x, x.transpose(0, -1), x[..., ::2]]
+    if x.dim() == 4:
+        views.append(x.to(memory_format=torch.channels_last))
+    made: list[gact_kernels.Compressed] = []
+    for v in views:
+        for bits in range(1, 9):
+            made.append(gact_kernels.quantize(v, bits, group_size=64, seed=bits))
+            if bits >= 2:
+                made.append(gact_kernels.quantize(v.abs(), bits, zero_exact=True))
+            if v.dim() == 4 and v.numel():
+                made.append(gact_kernels.quantize(v, bits, group_size=32, channel_dim=1))
+        made.append(gact_kernels.pack_mask(v > 0))
+        made.append(gact_kernels.pack_ints((v.float().nan_to_num() * 100).to(torch.int32)))
+    for c in made:
+        c._validate()
+        assert c == dataclasses.replace(c)  # the validating constructor accepts it unchanged

@@ -255,3 +255,39 @@ def test_the_allocation_counts_the_tables_group_header():
 def test_config_rejects_a_non_boolean_switch():
     with pytest.raises(ConfigError, match="derivative_tables must be True or False"):
         GactConfig(derivative_tables="yes")
+
+
+def test_tables_are_judged_per_key_not_per_save(monkeypatch):
+    # NOTE [Derivative tables]: once per key, again when its width changes and every
+    # REJUDGE_STEPS steps; judging every save cost several times the save itself
+    import gact.pointwise
+
+    judged: list[int] = []
+    real = gact.pointwise.table_is_better
+
+    def counting(*args: Any, **kwargs: Any) -> bool:
+        judged.append(len(judged))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gact.pointwise, "table_is_better", counting)
+    monkeypatch.setattr(gact.pointwise, "REJUDGE_STEPS", 3)
+    model = nn.Sequential(Block(), Block(act="silu"))  # two table candidates per forward
+    model[0].lin2, model[1].lin1 = nn.Linear(512, 32), nn.Linear(32, 512)
+    x, _ = _data()
+    ctl = Controller(model, GactConfig.from_level("L1", min_numel=0))
+    counts = []
+    with ctl:
+        for _ in range(5):
+            model.zero_grad()
+            model(x).sum().backward()
+            ctl.step()
+            counts.append(len(judged))
+    assert counts == [2, 2, 2, 4, 4]  # judged at steps 0 and 3
+    verdicts = ctl.hooks._table_verdicts
+    key = next(iter(verdicts))
+    bits, step, verdict = verdicts[key]
+    verdicts[key] = (bits + 1, step, verdict)  # as if the key's width had changed since
+    with ctl:
+        model.zero_grad()
+        model(x).sum().backward()
+    assert len(judged) == 5

@@ -1,7 +1,7 @@
 """gact-kernels: compression primitives for activation-compressed training (GACT).
 
 Per-group stochastic-rounding quantisation of float tensors to 1-8 bits, lossless 1-bit mask
-packing and lossless integer packing, on CPU (OpenMP) and CUDA. Every compressed container is
+packing, lossless integer packing and uint8 bucket codes, on CPU (OpenMP) and CUDA. Every compressed container is
 a :class:`Compressed`; :func:`decompress` restores any of them with its shape, strides, dtype
 and device. The compiled code links no torch; torch tensors are handed to it by address.
 
@@ -19,6 +19,7 @@ import torch
 from ._backend import CUDANotCompiledError, compiled_with_cuda
 from ._checks import MAX_GROUP_SIZE
 from ._compressed import Compressed, decompress
+from .buckets import MAX_BOUNDARIES, bucketize
 from .ints import INT_DTYPES, PackedInts, pack_ints, unpack_ints
 from .mask import MASK_DTYPES, PackedMask, pack_mask, unpack_mask
 from .quantize import FLOAT_DTYPES, QuantizedTensor, dequantize, quantize
@@ -27,12 +28,14 @@ __all__ = [
     "FLOAT_DTYPES",
     "INT_DTYPES",
     "MASK_DTYPES",
+    "MAX_BOUNDARIES",
     "MAX_GROUP_SIZE",
     "CUDANotCompiledError",
     "Compressed",
     "PackedInts",
     "PackedMask",
     "QuantizedTensor",
+    "bucketize",
     "compiled_with_cuda",
     "decompress",
     "dequantize",

@@ -13,10 +13,13 @@ __all__ = ["Compressed", "decompress"]
 C = TypeVar("C", bound="Compressed")
 
 # NOTE [container invariants]
-# A container's fields are validated against each other whenever one is built: by the
-# compressing function, by hand, by ``dataclasses.replace``, ``.to()``, ``copy``, ``pickle``
-# or ``torch.load`` (all of them go through ``__init__``; ``__reduce__`` sends unpickling there
-# too). The checks read metadata only (dtype, shape, device, contiguity), never tensor values:
+# A container's fields are validated against each other whenever one is built from outside:
+# by hand, by ``dataclasses.replace``, ``.to()``, ``copy``, ``pickle`` or ``torch.load`` (all
+# of them go through ``__init__``; ``__reduce__`` sends unpickling there too). The compressing
+# functions of this package build theirs with ``_built``, which skips that check: they
+# allocate every buffer to the shape the metadata implies, so the check could only re-derive
+# their own arithmetic, and it costs a few microseconds per call (a transformer step makes
+# hundreds). tests/test_containers.py validates every container they return. The checks read metadata only (dtype, shape, device, contiguity), never tensor values:
 # a container may be built around buffers whose asynchronous copy is still in flight. The
 # buffers themselves stay mutable tensors, so the restoring function re-checks their shapes
 # before any address reaches the kernels, and the kernels never read or write out of bounds
@@ -59,6 +62,16 @@ class Compressed(abc.ABC):
     def __post_init__(self) -> None:
         self._validate()
 
+    @classmethod
+    def _built(cls: type[C], **fields: Any) -> C:
+        """A container from this package's compressing functions, whose buffers were allocated
+        to the shapes the metadata implies: not re-validated (NOTE [container invariants]).
+        Every field must be given."""
+        obj = object.__new__(cls)
+        for name, value in fields.items():
+            object.__setattr__(obj, name, value)
+        return obj
+
     @abc.abstractmethod
     def _validate(self) -> None:
         """Raises TypeError/ValueError naming the first inconsistent field."""
@@ -79,7 +92,7 @@ class Compressed(abc.ABC):
     @property
     def nbytes(self) -> int:
         """Total bytes of all tensors held (payload, metadata and side buffers)."""
-        return sum(t.numel() * t.element_size() for t in self.buffers())
+        return sum([getattr(self, name).nbytes for name in self._BUFFERS])
 
     def to(
         self: C,

@@ -122,8 +122,14 @@ def pack_ints(x: torch.Tensor, *, group_size: int = 256) -> PackedInts:
             "pack_ints", x.device, flat.data_ptr(), code, n, group_size, mins.data_ptr(),
             widths.data_ptr(), starts.data_ptr(), data.data_ptr(),
         )  # fmt: skip
-    return PackedInts(
-        data, mins, widths, group_size=group_size, shape=x.shape, stride=stride, dtype=x.dtype
+    return PackedInts._built(
+        data=data,
+        mins=mins,
+        widths=widths,
+        group_size=group_size,
+        shape=x.shape,
+        stride=stride,
+        dtype=x.dtype,
     )
 
 

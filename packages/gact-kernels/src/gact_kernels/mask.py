@@ -84,7 +84,7 @@ def pack_mask(mask: torch.Tensor) -> PackedMask:
         invalid = launch("pack_mask", mask.device, flat.data_ptr(), n, data.data_ptr())
         if invalid:
             raise ValueError("mask: a uint8 mask must hold only 0 and 1 (use a bool mask)")
-    return PackedMask(data, shape=mask.shape, stride=stride, dtype=mask.dtype)
+    return PackedMask._built(data=data, shape=mask.shape, stride=stride, dtype=mask.dtype)
 
 
 def unpack_mask(p: PackedMask) -> torch.Tensor:

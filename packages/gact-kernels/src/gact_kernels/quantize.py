@@ -164,13 +164,17 @@ def _element_index(groups: torch.Tensor, group_size: int, numel: int) -> torch.T
 
 
 def _lossless(
-    flat: torch.Tensor, scale: torch.Tensor, group_size: int
+    flat: torch.Tensor, scale: torch.Tensor, group_size: int, found: int | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Indices and raw elements of the groups flagged by a NaN scale.
+    """Indices and raw elements of the groups flagged by a NaN scale; ``found`` is their number
+    when the kernel counted them (CPU), ``None`` when it did not (CUDA).
 
     On CUDA the ``nonzero`` here is the one host-device synchronisation of :func:`quantize`.
     """
-    groups = torch.isnan(scale).nonzero().flatten()
+    if found == 0:
+        groups = torch.empty(0, dtype=torch.int64, device=flat.device)
+    else:
+        groups = torch.isnan(scale).nonzero().flatten()
     if groups.numel() == 0:
         return groups, flat.new_empty((0, group_size))
     return groups, flat[_element_index(groups, group_size, flat.numel())]
@@ -281,16 +285,18 @@ def quantize(
     data = torch.empty((n * bits + 7) // 8, dtype=torch.uint8, device=x.device)
     lo = torch.empty(groups, dtype=torch.float32, device=x.device)
     scale = torch.empty(groups, dtype=torch.float32, device=x.device)
+    found = 0
     if n:
-        launch(
+        found = launch(
             "quantize", x.device, flat.data_ptr(), DTYPE_CODES[x.dtype], n, group_size, bits,
             seed, zero_exact, data.data_ptr(), lo.data_ptr(), scale.data_ptr(),
         )  # fmt: skip
-    lossless_groups, lossless_values = _lossless(flat, scale, group_size)
-    return QuantizedTensor(
-        data, lo, scale, lossless_groups, lossless_values,
-        bits=bits, group_size=group_size, seed=seed, shape=x.shape, stride=stride, dtype=x.dtype,
-        zero_exact=zero_exact, channel_dim=channel_dim,
+    lossless_groups, lossless_values = _lossless(flat, scale, group_size, found)
+    return QuantizedTensor._built(
+        data=data, lo=lo, scale=scale, lossless_groups=lossless_groups,
+        lossless_values=lossless_values, bits=bits, group_size=group_size, seed=seed,
+        shape=x.shape, stride=stride, dtype=x.dtype, zero_exact=zero_exact,
+        channel_dim=channel_dim,
     )  # fmt: skip
 
 

@@ -84,12 +84,14 @@ class Ledger:
         tensor: torch.Tensor,
         kind: Kind,
         bits: int | None,
-        stored_bytes: int,
+        stored_bytes: int | None,
         *,
         zero_exact: bool = False,
         table: bool = False,
         metadata_bits: float | None = None,
     ) -> None:
+        """Count one save of ``tensor`` at ``key``; ``stored_bytes`` is what GACT holds for
+        it, ``None`` when it holds the tensor itself."""
         rec = self.current.get(key)
         if rec is None or rec.kind is not kind or rec.bits != bits:
             prior = rec
@@ -104,10 +106,11 @@ class Ledger:
         rec.table = rec.table or table
         if metadata_bits is not None:
             rec.metadata_bits = metadata_bits
+        original = occupied_bytes(tensor)
         rec.count += 1
         rec.numel += tensor.numel()
-        rec.original_bytes += occupied_bytes(tensor)
-        rec.stored_bytes += stored_bytes
+        rec.original_bytes += original
+        rec.stored_bytes += original if stored_bytes is None else stored_bytes
 
     def add_decision(self, key: str, nbytes: int, mask_bits: int) -> None:
         """Count ``nbytes`` of exact decision masks for ``key`` (``mask_bits`` per element)."""

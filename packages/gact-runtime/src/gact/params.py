@@ -75,7 +75,10 @@ class ParameterFilter:
         )
 
     def __call__(self, tensor: torch.Tensor) -> bool:
-        if isinstance(tensor, nn.Parameter) or id(tensor) in self._state_ids:
+        # (a plain tensor skips the isinstance check, which runs Parameter's Python metaclass)
+        if id(tensor) in self._state_ids or (
+            type(tensor) is not torch.Tensor and isinstance(tensor, nn.Parameter)
+        ):
             return True
         if tensor.layout is torch.strided and tensor.untyped_storage().data_ptr() in self._storages:
             return True

@@ -285,6 +285,8 @@ class SaveHooks:
         self.probing = False  # a ProbeSession is running its probes
         self.on_compiled: Callable[[], None] = lambda: None  # set by the Controller
         self._warned_missed: set[str] = set()
+        # key -> (bits, plan step, verdict) of the last table judgment (NOTE in pointwise.py)
+        self._table_verdicts: dict[str, tuple[int, int, bool]] = {}
 
     def owner(self) -> SaveHooks | None:
         """The hooks whose model's forward is running on this thread (NOTE [Owners])."""
@@ -308,7 +310,7 @@ class SaveHooks:
     def pack_own(self, tensor: torch.Tensor, *, inside: bool) -> Saved:
         """Pack a save made in this controller's model (or, ``inside=False``, outside every
         controlled model: then it is kept as it is)."""
-        if type(tensor) not in (torch.Tensor, nn.Parameter) or tensor.device.type == "meta":
+        if type(tensor) not in (torch.Tensor, nn.Parameter) or tensor.is_meta:
             return SavedKept(tensor, "<unsupported>")  # tensor subclasses, meta: not ours
         if self.is_parameter(tensor):
             self.ledger.record(_PARAM_KEY, tensor, Kind.PARAMETER, None, 0)
@@ -327,23 +329,30 @@ class SaveHooks:
             if spec is not None and spec.predicates and isinstance(hit, SavedCompressed):
                 self._decide(hit, tensor, spec)
             return hit
-        kind = self._treatment(key, tensor, spec, inside)
+        compact = _compact(tensor) if tensor.layout is torch.strided else None
+        kind = self._treatment(key, tensor, compact, spec, inside)
         if kind is not None:
             bits = tensor.element_size() * 8 if kind is Kind.KEPT and self._full(key) else None
             saved: Saved = SavedKept(tensor, key)
             self.live.add(tensor, saved, self.tracker.generation)
-            self.ledger.record(key, tensor, kind, bits, occupied_bytes(tensor))
+            self.ledger.record(key, tensor, kind, bits, None)  # stored as it is
             return saved
-        return self._compress(key, tensor, spec)
+        return self._compress(key, tensor, compact, spec)
 
     def _full(self, key: str) -> bool:
         """Whether the allocation keeps ``key`` at full precision."""
         return self.plan.config.spec.compresses and self.plan.bits_for(key) is None
 
     def _treatment(
-        self, key: str, tensor: torch.Tensor, spec: DecisionSpec | None, inside: bool
+        self,
+        key: str,
+        tensor: torch.Tensor,
+        compact: torch.Tensor | None,
+        spec: DecisionSpec | None,
+        inside: bool,
     ) -> Kind | None:
-        """The kind of a save kept as it is, or ``None`` if it is compressed."""
+        """The kind of a save kept as it is, or ``None`` if it is compressed (``compact``:
+        ``_compact(tensor)``)."""
         if not inside:
             return Kind.OUTSIDE
         if self.tracker.compiled():
@@ -352,7 +361,6 @@ class SaveHooks:
         cfg = self.plan.config
         if not cfg.spec.compresses or tensor.layout is not torch.strided:
             return Kind.KEPT
-        compact = _compact(tensor)
         if compact is not None:  # an expanded view: its compact base is what is stored
             dense = occupied_bytes(compact) == compact.numel() * compact.element_size()
             if (spec is not None and spec.decides) or not dense:
@@ -372,42 +380,46 @@ class SaveHooks:
             return Kind.KEPT
         return None
 
-    def _compress(self, key: str, tensor: torch.Tensor, spec: DecisionSpec | None) -> Saved:
+    def _compress(
+        self,
+        key: str,
+        tensor: torch.Tensor,
+        compact: torch.Tensor | None,
+        spec: DecisionSpec | None,
+    ) -> Saved:
         group_size = self.plan.config.group_size
-        compact = _compact(tensor)
         zero_exact = False
         table: pointwise.DerivativeTable | None = None
         # a GELU/SiLU input: the allocation counts a table's group header for it (see Items.of)
         candidate = spec is not None and spec.derivative_id == id(tensor)
-        with torch.no_grad():
-            data = (tensor if compact is None else compact).detach()
-            if tensor.dtype is torch.bool:
-                payload: gact_kernels.Compressed = gact_kernels.pack_mask(data)
-                kind, bits = Kind.MASK, 1
-            elif tensor.dtype in gact_kernels.INT_DTYPES:
-                payload = gact_kernels.pack_ints(data, group_size=group_size)
-                kind, bits = Kind.PACKED, None
+        data = (tensor if compact is None else compact).detach()  # no autograd history below
+        if tensor.dtype is torch.bool:
+            payload: gact_kernels.Compressed = gact_kernels.pack_mask(data)
+            kind, bits = Kind.MASK, 1
+        elif tensor.dtype in gact_kernels.INT_DTYPES:
+            payload = gact_kernels.pack_ints(data, group_size=group_size)
+            kind, bits = Kind.PACKED, None
+        else:
+            bits = self.plan.bits_for(key)
+            assert bits is not None
+            zero_exact = spec is not None and spec.zero_exact
+            if zero_exact:  # 2 zero-exact bits, not 1 bit and a mask (NOTE [Exact decisions])
+                bits = max(bits, 2)
+            plan = self.plan
+            if plan.config.spec.adaptive and key not in plan.two_valued:
+                # first sight of the key: see NOTE [Two-valued tensors] in adapt.py
+                plan.two_valued[key] = _two_valued(data)
+            table = self._derivative_table(key, tensor, spec, bits, compact is None)
+            if table is not None:
+                payload = gact_kernels.pack_ints(table.codes(data), group_size=group_size)
             else:
-                bits = self.plan.bits_for(key)
-                assert bits is not None
-                zero_exact = spec is not None and spec.zero_exact
-                if zero_exact:  # 2 zero-exact bits, not 1 bit and a mask (NOTE [Exact decisions])
-                    bits = max(bits, 2)
-                plan = self.plan
-                if plan.config.spec.adaptive and key not in plan.two_valued:
-                    # first sight of the key: see NOTE [Two-valued tensors] in adapt.py
-                    plan.two_valued[key] = _two_valued(data)
-                table = self._derivative_table(tensor, spec, bits, compact is None)
-                if table is not None:
-                    payload = gact_kernels.pack_ints(table.codes(data), group_size=group_size)
-                else:
-                    seed = self.plan.seed_for(key, self.ledger.occurrences(key))
-                    channels = plan.config.channel_groups and data.dim() >= 4
-                    payload = gact_kernels.quantize(
-                        data, bits, group_size=group_size, seed=seed, zero_exact=zero_exact,
-                        channel_dim=1 if channels else None,
-                    )  # fmt: skip
-                kind = Kind.QUANTIZED
+                seed = self.plan.seed_for(key, self.ledger.occurrences(key))
+                channels = plan.config.channel_groups and data.dim() >= 4
+                payload = gact_kernels.quantize(
+                    data, bits, group_size=group_size, seed=seed, zero_exact=zero_exact,
+                    channel_dim=1 if channels else None,
+                )  # fmt: skip
+            kind = Kind.QUANTIZED
         saved = SavedCompressed(tensor, key, payload, self)
         if compact is not None:
             saved.expand_to = tensor.shape
@@ -415,18 +427,18 @@ class SaveHooks:
             saved.table = table  # not in the live table: never shared (see pack_own)
         else:
             self.live.add(tensor, saved, self.tracker.generation)
+        nbytes = payload.nbytes
+        quantized = isinstance(payload, gact_kernels.QuantizedTensor)
         self.ledger.record(
-            key, tensor, kind, bits, payload.nbytes, zero_exact=zero_exact, table=candidate,
-            metadata_bits=_metadata_bits(payload)
-            if isinstance(payload, gact_kernels.QuantizedTensor)
-            else None,
+            key, tensor, kind, bits, nbytes, zero_exact=zero_exact, table=candidate,
+            metadata_bits=_metadata_bits(payload, nbytes) if quantized else None,
         )  # fmt: skip
         if spec is not None and spec.predicates and kind is Kind.QUANTIZED:
             self._decide(saved, tensor, spec)
         return saved
 
     def _derivative_table(
-        self, tensor: torch.Tensor, spec: DecisionSpec | None, bits: int, whole: bool
+        self, key: str, tensor: torch.Tensor, spec: DecisionSpec | None, bits: int, whole: bool
     ) -> pointwise.DerivativeTable | None:
         """The derivative table to store ``tensor`` with, if it qualifies (NOTE [Derivative
         tables] in pointwise.py), else ``None``."""
@@ -441,8 +453,14 @@ class SaveHooks:
         ):
             return None
         table = pointwise.derivative_table(spec.derivative, bits)
-        better = pointwise.table_is_better(tensor, table, group_size=self.plan.config.group_size)
-        return table if better else None
+        step = self.plan.step
+        verdict = self._table_verdicts.get(key)
+        if verdict is None or verdict[0] != bits or step - verdict[1] >= pointwise.REJUDGE_STEPS:
+            better = pointwise.table_is_better(
+                tensor, table, group_size=self.plan.config.group_size
+            )
+            verdict = self._table_verdicts[key] = (bits, step, better)
+        return table if verdict[2] else None
 
     def _decide(self, saved: SavedCompressed, tensor: torch.Tensor, spec: DecisionSpec) -> None:
         added = saved.decide(tensor, spec)
@@ -466,12 +484,13 @@ class SaveHooks:
             )
 
 
-def _metadata_bits(payload: gact_kernels.QuantizedTensor) -> float:
-    """Bits per element ``payload`` holds beyond its codes (group headers, lossless groups),
-    plus the padding of channel groups (NOTE [channel groups] in gact_kernels/_layout.py)
-    counted at 8 bits, so that the allocator never underestimates it at any width."""
+def _metadata_bits(payload: gact_kernels.QuantizedTensor, nbytes: int) -> float:
+    """Bits per element ``payload`` (of ``nbytes`` bytes) holds beyond its codes (group headers,
+    lossless groups), plus the padding of channel groups (NOTE [channel groups] in
+    gact_kernels/_layout.py) counted at 8 bits, so that the allocator never underestimates it
+    at any width."""
     numel, stored = payload.numel, payload.stored_numel
-    header = payload.nbytes - (stored * payload.bits + 7) // 8
+    header = nbytes - (stored * payload.bits + 7) // 8
     return 8 * (header + stored - numel) / max(numel, 1)
 
 
