@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 from torch import nn
 
@@ -68,11 +66,9 @@ class ParameterFilter:
 
     def refresh(self) -> None:
         """Re-read the model's parameters and buffers (call after ``model.to``)."""
-        params = list(self._model.parameters())
-        self._state_ids = frozenset(id(t) for t in itertools.chain(params, self._model.buffers()))
-        self._storages = frozenset(
-            ptr for t in itertools.chain(params, self._model.buffers()) if (ptr := _storage(t))
-        )
+        state = [*self._model.parameters(), *self._model.buffers()]  # one walk of each
+        self._state_ids = frozenset(map(id, state))
+        self._storages = frozenset(ptr for t in state if (ptr := _storage(t)))
 
     def __call__(self, tensor: torch.Tensor) -> bool:
         # (a plain tensor skips the isinstance check, which runs Parameter's Python metaclass)

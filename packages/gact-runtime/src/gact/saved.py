@@ -307,6 +307,16 @@ class SaveHooks:
         self.unpacked += 1
         return saved.unpack()
 
+    # NOTE [Per-save cost]
+    # A transformer step makes hundreds of saves, and on a GPU a step takes milliseconds, so
+    # everything here runs once per save and must stay cheap: dictionary lookups, a few tensor
+    # attribute reads, one kernel call per payload, one ledger update. What costs more and
+    # depends only on a key is decided once per key and cached: its width (``BitPlan``), the
+    # hash of its name (``BitPlan.key_hash``), whether it is two-valued (NOTE [Two-valued
+    # tensors] in adapt.py), and whether a derivative table beats rounding (``_table_verdicts``,
+    # NOTE [Derivative tables] in pointwise.py). The kernels' containers are built without
+    # re-validation (NOTE [container invariants] in gact_kernels/_compressed.py).
+    # packages/gact-runtime/benchmarks/bench_saves.py measures what a save costs.
     def pack_own(self, tensor: torch.Tensor, *, inside: bool) -> Saved:
         """Pack a save made in this controller's model (or, ``inside=False``, outside every
         controlled model: then it is kept as it is)."""
@@ -329,7 +339,8 @@ class SaveHooks:
             if spec is not None and spec.predicates and isinstance(hit, SavedCompressed):
                 self._decide(hit, tensor, spec)
             return hit
-        compact = _compact(tensor) if tensor.layout is torch.strided else None
+        compresses = self.plan.config.spec.compresses and tensor.layout is torch.strided
+        compact = _compact(tensor) if compresses else None
         kind = self._treatment(key, tensor, compact, spec, inside)
         if kind is not None:
             bits = tensor.element_size() * 8 if kind is Kind.KEPT and self._full(key) else None
