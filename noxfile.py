@@ -43,8 +43,10 @@ TEST_IDS = ["kernels", "policy", "runtime", "examples", "integrations"]
 BENCH_SCRIPTS = {
     "kernels": PACKAGES["kernels"] / "benchmarks" / "bench_kernels.py",
     "policy": PACKAGES["policy"] / "benchmarks" / "bench_policy.py",
-    "runtime": PACKAGES["runtime"] / "benchmarks" / "bench_adapt.py",
+    "runtime": PACKAGES["runtime"] / "benchmarks" / "bench_saves.py",
+    "adapt": PACKAGES["runtime"] / "benchmarks" / "bench_adapt.py",
     "examples": EXAMPLES / "bench.py",
+    "speed": EXAMPLES / "speed_bench.py",
 }
 BENCH_IDS = list(BENCH_SCRIPTS)
 DATA = Path(os.environ.get("GACT_DATA", ROOT.parent / "shared" / "data"))
@@ -203,12 +205,16 @@ def demo(session: nox.Session) -> None:
 @nox.session
 @nox.parametrize("suite", BENCH_IDS, ids=BENCH_IDS)
 def bench(session: nox.Session, suite: str) -> None:
-    """Benchmarks: kernels, allocator, runtime overhead, and the examples over levels and seeds."""
+    """Benchmarks: kernels, allocator, cost per save, adaptation cost, the examples over levels
+    and seeds, step time of real models."""
     options: list[str] = []
     if suite == "policy":
         session.install(*_constraints(session), str(PACKAGES["policy"]))
     elif suite == "examples":
         _install_stack(session, str(EXAMPLES))
+        options = ["--data", str(DATA)]
+    elif suite == "speed":
+        _install_stack(session, f"{EXAMPLES}[transformers]")
         options = ["--data", str(DATA)]
     else:
         _install_stack(session)

@@ -71,22 +71,22 @@ def worker(model_name: str, level: str, steps: int, data: str) -> dict[str, Any]
     from gact import Controller, GactConfig
 
     torch.manual_seed(0)
-    model, loss_of, optimizer = workload(model_name, data)
-
-    def closure() -> torch.Tensor:
-        loss = loss_of()
-        optimizer.zero_grad()
-        loss.backward()
-        return loss
-
-    controller = Controller(model, GactConfig.from_level(level))
+    work = workload(model_name, data)
+    controller = Controller(work.model, GactConfig.from_level(level))
     baseline = _vm("VmRSS")
     times = []
     with controller:
-        for _ in range(steps):
+        for i in range(steps):
+
+            def closure(i: int = i) -> torch.Tensor:
+                loss = work.loss(i)
+                work.optimizer.zero_grad()
+                loss.backward()
+                return loss
+
             start = time.perf_counter()
             controller.iterate(closure)
-            optimizer.step()
+            work.optimizer.step()
             times.append(time.perf_counter() - start)
     stats = controller.stats()
     return {

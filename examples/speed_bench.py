@@ -1,7 +1,7 @@
 """Step time of real models, fp32 against every GACT level, interleaved in one process.
 
 Per model (``gact_examples.workloads``: transformers GPT-2 and BERT from configs, the ResNet-18
-layout, the char-GPT and MNIST memory configurations, on real data) the script builds one copy
+layout, the char-GPT and MNIST memory configurations, a GCN on Cora, on real data) the script builds one copy
 per level from the same initial weights and trains them in rounds: each round runs ``--steps``
 steps of every level in turn (the order rotates between rounds), so that a slow phase of this
 shared machine hits every level alike. A level's ratio is its median step time over fp32's
@@ -32,23 +32,23 @@ def measure(name: str, data: str, levels: Sequence[str], rounds: int, steps: int
     runs = {}
     for level in levels:
         torch.manual_seed(0)
-        model, loss_of, optimizer = workload(name, data)
-        ctl = None if level == "fp32" else Controller(model, GactConfig.from_level(level))
-        runs[level] = (loss_of, optimizer, ctl)
+        work = workload(name, data)
+        ctl = None if level == "fp32" else Controller(work.model, GactConfig.from_level(level))
+        runs[level] = (work, ctl)
     times: dict[str, list[list[float]]] = {level: [] for level in levels}
     for r in range(rounds):
         order = [*levels[r % len(levels) :], *levels[: r % len(levels)]]
         for level in order:
-            loss_of, optimizer, ctl = runs[level]
+            work, ctl = runs[level]
             if ctl is not None:
                 ctl.install_hook()
             spent = []
             for i in range(steps + 1):  # the first step of a round warms the caches up
                 start = time.perf_counter()
-                loss = loss_of()
-                optimizer.zero_grad()
+                loss = work.loss(r * (steps + 1) + i)
+                work.optimizer.zero_grad()
                 loss.backward()
-                optimizer.step()
+                work.optimizer.step()
                 if ctl is not None:
                     ctl.step()
                 if i:

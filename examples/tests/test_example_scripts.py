@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+import torch
 from gact_examples.train import REQUIRED_KEYS
 
 GNN, VISION, TEXT = "gnn/train_gnn.py", "vision/train_vision.py", "text/train_char_gpt.py"
@@ -246,3 +247,48 @@ def test_memory_bench_rejects_unknown_models(data_root, script):
                 "default",
             ]
         )
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "resnet18", "char-gpt", "mnist", "gcn"])
+def test_workloads_train_evaluate_and_name_their_blocks(data_root, name):
+    from gact_examples.workloads import MODELS, workload
+
+    assert name in MODELS
+    torch.manual_seed(0)
+    work = workload(name, str(data_root))
+    before = [p.detach().clone() for p in work.model.parameters()]
+    for i in range(2):
+        loss = work.loss(i)
+        work.optimizer.zero_grad()
+        loss.backward()
+        work.optimizer.step()
+    assert torch.isfinite(loss) and work.model.training
+    assert any(not torch.equal(a, p) for a, p in zip(before, work.model.parameters()))
+    metrics = work.evaluate()
+    assert set(metrics) == {"loss", "accuracy"} and math.isfinite(metrics["loss"])
+    assert 0.0 <= metrics["accuracy"] <= 1.0 and work.model.training
+    assert work.blocks and all(work.model.get_submodule(b) is not None for b in work.blocks)
+
+
+def test_workloads_reject_unknown_models(data_root):
+    from gact_examples.workloads import workload
+
+    with pytest.raises(ValueError, match="unknown model 'nomodel'"):
+        workload("nomodel", str(data_root))
+
+
+def test_speed_bench(data_root, tmp_path, script):
+    """speed_bench.py: levels interleaved in rounds, ratios to fp32 per round, the table."""
+    out = tmp_path / "s.json"
+    argv = ["--data", str(data_root), "--models", "gcn", "--levels", "L0,L1", "--rounds", "2"]
+    results = script("speed_bench.py").main([*argv, "--steps", "1", "--json", str(out)])
+    (res,) = results
+    assert list(res["levels"]) == ["fp32", "L0", "L1"]
+    assert res["levels"]["fp32"]["ratios"] == [1.0, 1.0]
+    for row in res["levels"].values():
+        assert len(row["ratios"]) == 2 and row["ratio_worst"] >= row["ratio_median"] > 0
+    assert json.loads(out.read_text())["results"] == results
+    table = script("speed_bench.py").table(results)
+    assert table.splitlines()[2].startswith("| gcn | ") and "(worst " in table
+    with pytest.raises(ValueError, match=r"unknown model\(s\) \['nomodel'\]"):
+        script("speed_bench.py").main(["--data", str(data_root), "--models", "nomodel"])

@@ -1,87 +1,210 @@
-"""Real models on real data, one training batch each: what the memory and speed benchmarks run.
+"""Real models on real data, as the memory, speed and comparison benchmarks train them.
 
 ``gpt2`` and ``bert`` are ``transformers`` models from configs (GPT-2 4 layers of width 128 on
 32 x 128 tiny-shakespeare characters; BERT 2 layers, classifying which half of the corpus a
-window comes from), ``resnet18`` torchvision's layout on 64 CIFAR-10 images, ``char-gpt`` the
-char-GPT example's memory configuration (6 layers, 64 x 128 characters) and ``mnist`` the MNIST
-example's (ResNet-small with 3 blocks per stage, batch 512).
+window comes from), ``resnet18`` torchvision's layout on CIFAR-10 batches of 64, ``char-gpt`` the
+char-GPT example's memory configuration (6 layers, 64 x 128 characters), ``mnist`` the MNIST
+example's (ResNet-small with 3 blocks per stage, batch 512) and ``gcn`` a two-layer GCN on Cora
+(full batch, the Planetoid split).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .data import load_char_corpus, load_cifar10, load_mnist
-from .models import CharGPT, ResNet18, ResNetSmall
+from .data import load_char_corpus, load_cifar10, load_mnist, load_planetoid
+from .models import GNN, CharGPT, ResNet18, ResNetSmall
 
-__all__ = ["MODELS", "workload"]
+__all__ = ["MODELS", "Workload", "workload"]
 
-MODELS = ("gpt2", "bert", "resnet18", "char-gpt", "mnist")
+MODELS = ("gpt2", "bert", "resnet18", "char-gpt", "mnist", "gcn")
 
 
-def workload(
-    name: str, data: str
-) -> tuple[nn.Module, Callable[[], torch.Tensor], torch.optim.Optimizer]:
-    """The model (in train mode), a function computing the loss of its fixed batch, and its
-    optimizer (AdamW 1e-3 for the transformers, SGD 0.01 with momentum 0.9 for the CNNs).
+@dataclass
+class Workload:
+    """One model and how it trains.
 
-    Args:
-        name: one of ``MODELS``.
-        data: the folder holding ``tinyshakespeare/``, ``cifar10-jpg/`` and ``mnist/``.
+    Attributes:
+        model: the model, in train mode.
+        loss: the loss of training batch ``i`` (a deterministic sequence; some workloads have
+            one fixed batch).
+        optimizer: AdamW 1e-3 for the transformers, Adam 0.01 (weight decay 5e-4) for the
+            GCN, SGD 0.01 with momentum 0.9 for the CNNs.
+        evaluate: the held-out loss and accuracy (``nan`` where there is none), in eval mode
+            without gradients; the model is back in train mode afterwards.
+        blocks: qualified names of the modules that checkpointing wraps one by one (ResNet's
+            BasicBlocks, the transformers' layers, the GCN's convolutions).
+    """
+
+    model: nn.Module
+    loss: Callable[[int], torch.Tensor]
+    optimizer: torch.optim.Optimizer
+    evaluate: Callable[[], dict[str, float]]
+    blocks: tuple[str, ...]
+
+
+def workload(name: str, data: str) -> Workload:
+    """The workload ``name`` (one of ``MODELS``) on the datasets under ``data``.
 
     Raises:
         ValueError: an unknown ``name``.
     """
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
-    model, loss_of = _build(name, data)
-    model.train()
-    if name in ("gpt2", "bert", "char-gpt"):
-        optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    else:
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    return model, loss_of, optimizer
+    return _BUILDERS[name](data)
 
 
-def _build(name: str, data: str) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
+def _evaluator(
+    model: nn.Module, logits_and_labels: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+) -> Callable[[], dict[str, float]]:
+    def evaluate() -> dict[str, float]:
+        model.eval()
+        try:
+            with torch.no_grad():
+                logits, labels = logits_and_labels()
+                loss = F.cross_entropy(logits.flatten(0, -2), labels.flatten())
+                acc = (logits.argmax(-1) == labels).float().mean()
+        finally:
+            model.train()
+        return {"loss": float(loss), "accuracy": float(acc)}
+
+    return evaluate
+
+
+def _text(name: str, data: str) -> Workload:
+    corpus = load_char_corpus(data)
+    ids, val = torch.from_numpy(corpus["train"]), torch.from_numpy(corpus["val"])
+    vocab = len(corpus["chars"])
+    batch = 64 if name == "char-gpt" else 32
     gen = torch.Generator().manual_seed(0)
-    if name in ("gpt2", "bert", "char-gpt"):
-        corpus = load_char_corpus(data)
-        ids = torch.from_numpy(corpus["train"])
-        vocab = len(corpus["chars"])
-        batch = 64 if name == "char-gpt" else 32
-        starts = torch.randint(0, len(ids) - 129, (batch,), generator=gen)
-        x = ids[starts[:, None] + torch.arange(128)]
-        if name == "gpt2":
-            from transformers import GPT2Config, GPT2LMHeadModel
+    starts = torch.randint(0, len(ids) - 129, (batch,), generator=gen)
+    x = ids[starts[:, None] + torch.arange(128)]
+    val_starts = torch.linspace(0, len(val) - 129, 16).long()
+    vx = val[val_starts[:, None] + torch.arange(128)]
+    if name == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
 
-            config = GPT2Config(n_layer=4, n_embd=128, n_head=4, vocab_size=vocab, n_positions=128)
-            gpt2 = GPT2LMHeadModel(config)
-            return gpt2, lambda: gpt2(input_ids=x, labels=x).loss
-        if name == "bert":
-            from transformers import BertConfig, BertForSequenceClassification
+        config = GPT2Config(
+            n_layer=4,
+            n_embd=128,
+            n_head=4,
+            vocab_size=vocab,
+            n_positions=128,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+        gpt2 = GPT2LMHeadModel(config).train()
 
-            config = BertConfig(
-                vocab_size=vocab, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
-                intermediate_size=512, max_position_embeddings=128, num_labels=2,
-            )  # fmt: skip
-            bert = BertForSequenceClassification(config)
-            y = (starts > len(ids) // 2).long()
-            return bert, lambda: bert(input_ids=x, labels=y).loss
-        gpt = CharGPT(vocab, block_size=128, n_layer=6, n_head=4, n_embd=128, dropout=0.1)
-        return gpt, lambda: F.cross_entropy(gpt(x).flatten(0, 1), x.flatten())
-    if name == "resnet18":
-        images = load_cifar10(data)["x_train"][:64]
-        x = torch.from_numpy(images).float().div(255).permute(0, 3, 1, 2).contiguous()
-        y = torch.arange(len(x)) % 10
-        resnet = ResNet18()
-        return resnet, lambda: F.cross_entropy(resnet(x), y)
+        def windows(i: int) -> torch.Tensor:
+            g = torch.Generator().manual_seed(1000 + i)
+            s = torch.randint(0, len(ids) - 129, (batch,), generator=g)
+            return ids[s[:, None] + torch.arange(128)]
+
+        def gpt2_loss(i: int) -> torch.Tensor:
+            w = windows(i)
+            return gpt2(input_ids=w, labels=w).loss
+
+        evaluate = _evaluator(gpt2, lambda: (gpt2(input_ids=vx).logits[:, :-1], vx[:, 1:]))
+        blocks = tuple(f"transformer.h.{i}" for i in range(config.n_layer))
+        return Workload(gpt2, gpt2_loss, _adamw(gpt2), evaluate, blocks)
+    if name == "bert":
+        from transformers import BertConfig, BertForSequenceClassification
+
+        config = BertConfig(
+            vocab_size=vocab, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+            intermediate_size=512, max_position_embeddings=128, num_labels=2,
+        )  # fmt: skip
+        bert = BertForSequenceClassification(config).train()
+        y = (starts > len(ids) // 2).long()
+        vy = (val_starts > len(val) // 2).long()
+        evaluate = _evaluator(bert, lambda: (bert(input_ids=vx).logits, vy))
+        blocks = tuple(f"bert.encoder.layer.{i}" for i in range(config.num_hidden_layers))
+        return Workload(
+            bert, lambda i: bert(input_ids=x, labels=y).loss, _adamw(bert), evaluate, blocks
+        )
+    gpt = CharGPT(vocab, block_size=128, n_layer=6, n_head=4, n_embd=128, dropout=0.1).train()
+    evaluate = _evaluator(gpt, lambda: (gpt(vx)[:, :-1], vx[:, 1:]))
+    return Workload(
+        gpt,
+        lambda i: F.cross_entropy(gpt(x)[:, :-1].flatten(0, 1), x[:, 1:].flatten()),
+        _adamw(gpt),
+        evaluate,
+        tuple(f"blocks.{i}" for i in range(6)),
+    )
+
+
+def _adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
+def _resnet18(data: str) -> Workload:
+    cifar = load_cifar10(data)
+    images = torch.from_numpy(cifar["x_train"])
+    labels = torch.from_numpy(cifar["y_train"])
+    order = torch.randperm(len(images), generator=torch.Generator().manual_seed(0))
+    test = torch.linspace(0, len(cifar["x_test"]) - 1, 512).long()
+    tx = torch.from_numpy(cifar["x_test"])[test].float().div(255).permute(0, 3, 1, 2).contiguous()
+    ty = torch.from_numpy(cifar["y_test"])[test]
+    resnet = ResNet18().train()
+
+    def resnet_loss(i: int) -> torch.Tensor:
+        pick = order[(i * 64) % len(order) :][:64]
+        x = images[pick].float().div(255).permute(0, 3, 1, 2).contiguous()
+        return F.cross_entropy(resnet(x), labels[pick])
+
+    blocks = tuple(f"layer{s}.{b}" for s in range(1, 5) for b in range(2))
+    evaluate = _evaluator(resnet, lambda: (resnet(tx), ty))
+    return Workload(resnet, resnet_loss, _sgd(resnet), evaluate, blocks)
+
+
+def _mnist(data: str) -> Workload:
     mnist = load_mnist(data)
     x = torch.from_numpy(mnist["x_train"][:512]).float().div(255).unsqueeze(1)
     y = torch.from_numpy(mnist["y_train"][:512]).long()
-    small = ResNetSmall(in_channels=1, width=16, blocks=3)
-    return small, lambda: F.cross_entropy(small(x), y)
+    vx = torch.from_numpy(mnist["x_test"][:512]).float().div(255).unsqueeze(1)
+    vy = torch.from_numpy(mnist["y_test"][:512]).long()
+    small = ResNetSmall(in_channels=1, width=16, blocks=3).train()
+    blocks = tuple(f"layers.{i}" for i in range(len(small.layers)))
+    return Workload(
+        small,
+        lambda i: F.cross_entropy(small(x), y),
+        _sgd(small),
+        _evaluator(small, lambda: (small(vx), vy)),
+        blocks,
+    )
+
+
+def _gcn(data: str) -> Workload:
+    cora = load_planetoid(data, "cora")
+    x, y = torch.from_numpy(cora["x"]), torch.from_numpy(cora["y"])
+    train_idx, test_idx = torch.from_numpy(cora["train_idx"]), torch.from_numpy(cora["test_idx"])
+    graph, aux = GNN.prepare("gcn", torch.from_numpy(cora["edge_index"]), x.shape[0])
+    gcn = GNN("gcn", x.shape[1], 64, int(cora["num_classes"])).train()
+    optimizer = torch.optim.Adam(gcn.parameters(), lr=0.01, weight_decay=5e-4)
+    evaluate = _evaluator(gcn, lambda: (gcn(x, graph, aux)[test_idx], y[test_idx]))
+    return Workload(
+        gcn,
+        lambda i: F.cross_entropy(gcn(x, graph, aux)[train_idx], y[train_idx]),
+        optimizer,
+        evaluate,
+        ("conv1", "conv2"),
+    )
+
+
+_BUILDERS: dict[str, Callable[[str], Workload]] = {
+    "gpt2": lambda data: _text("gpt2", data),
+    "bert": lambda data: _text("bert", data),
+    "char-gpt": lambda data: _text("char-gpt", data),
+    "resnet18": _resnet18,
+    "mnist": _mnist,
+    "gcn": _gcn,
+}
