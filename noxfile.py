@@ -47,6 +47,7 @@ BENCH_SCRIPTS = {
     "adapt": PACKAGES["runtime"] / "benchmarks" / "bench_adapt.py",
     "examples": EXAMPLES / "bench.py",
     "speed": EXAMPLES / "speed_bench.py",
+    "compare": EXAMPLES / "compare.py",
 }
 BENCH_IDS = list(BENCH_SCRIPTS)
 DATA = Path(os.environ.get("GACT_DATA", ROOT.parent / "shared" / "data"))
@@ -206,16 +207,18 @@ def demo(session: nox.Session) -> None:
 @nox.parametrize("suite", BENCH_IDS, ids=BENCH_IDS)
 def bench(session: nox.Session, suite: str) -> None:
     """Benchmarks: kernels, allocator, cost per save, adaptation cost, the examples over levels
-    and seeds, step time of real models."""
+    and seeds, step time of real models, GACT against checkpointing and compile."""
     options: list[str] = []
     if suite == "policy":
         session.install(*_constraints(session), str(PACKAGES["policy"]))
     elif suite == "examples":
         _install_stack(session, str(EXAMPLES))
         options = ["--data", str(DATA)]
-    elif suite == "speed":
+    elif suite in ("speed", "compare"):
         _install_stack(session, f"{EXAMPLES}[transformers]")
         options = ["--data", str(DATA)]
+        if suite == "compare":
+            options += ["--json", "compare.json", "--plot", str(ROOT / "plots" / "compare.png")]
     else:
         _install_stack(session)
     script = BENCH_SCRIPTS[suite]

@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from gact_examples.memory import status_bytes
 from gact_examples.workloads import MODELS, workload
 
 LEVELS = ("L0", "L1", "L2", "L1.2", "L2.2")
@@ -58,13 +59,6 @@ def allocator_env(name: str) -> dict[str, str] | None:
     return None
 
 
-def _vm(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status (Linux only)")
-
-
 def worker(model_name: str, level: str, steps: int, data: str) -> dict[str, Any]:
     """One run in this process (see the module docstring)."""
     import torch
@@ -73,7 +67,7 @@ def worker(model_name: str, level: str, steps: int, data: str) -> dict[str, Any]
     torch.manual_seed(0)
     work = workload(model_name, data)
     controller = Controller(work.model, GactConfig.from_level(level))
-    baseline = _vm("VmRSS")
+    baseline = status_bytes("VmRSS")
     times = []
     with controller:
         for i in range(steps):
@@ -94,7 +88,7 @@ def worker(model_name: str, level: str, steps: int, data: str) -> dict[str, Any]
         "level": level,
         "steps": steps,
         "baseline_bytes": baseline,
-        "peak_growth_bytes": _vm("VmHWM") - baseline,
+        "peak_growth_bytes": status_bytes("VmHWM") - baseline,
         "step_s": statistics.median(times[1:]) if len(times) > 1 else times[0],
         "saved_bytes": stats["original_bytes"],
         "stored_bytes": stats["stored_bytes"],

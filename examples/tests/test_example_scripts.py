@@ -249,7 +249,9 @@ def test_memory_bench_rejects_unknown_models(data_root, script):
         )
 
 
-@pytest.mark.parametrize("name", ["gpt2", "bert", "resnet18", "char-gpt", "mnist", "gcn"])
+@pytest.mark.parametrize(
+    "name", ["gpt2", "bert", "resnet18", "char-gpt", "mnist", "gcn", "encoder6"]
+)
 def test_workloads_train_evaluate_and_name_their_blocks(data_root, name):
     from gact_examples.workloads import MODELS, workload
 
@@ -292,3 +294,39 @@ def test_speed_bench(data_root, tmp_path, script):
     assert table.splitlines()[2].startswith("| gcn | ") and "(worst " in table
     with pytest.raises(ValueError, match=r"unknown model\(s\) \['nomodel'\]"):
         script("speed_bench.py").main(["--data", str(data_root), "--models", "nomodel"])
+
+
+def test_compare(data_root, tmp_path, script):
+    """compare.py: one process per method, both peaks, the table with its Pareto marks."""
+    compare = script("compare.py")
+    assert compare.pareto({"a": (1, 1.0), "b": (2, 0.5), "c": (2, 1.0)}) == {"a", "b"}
+    out = tmp_path / "c.json"
+    argv = ["--data", str(data_root), "--models", "gcn", "--methods", "ckpt,selective,L1,L1+ckpt"]
+    records = compare.main(
+        [*argv, "--steps", "4", "--json", str(out), "--plot", str(tmp_path / "c.png")]
+    )
+    assert [r["method"] for r in records] == ["fp32", "ckpt", "selective", "L1", "L1+ckpt"]
+    assert json.loads(out.read_text()) == records and (tmp_path / "c.png").stat().st_size > 0
+    for r in records:
+        assert "error" not in r, r
+        assert r["live_bytes"] > 0 and r["rss_bytes"] > 0 and r["step_s"] > 0
+        assert math.isfinite(r["loss"]) and 0 <= r["accuracy"] <= 1
+    # checkpointing recomputes exactly: the same training as fp32's
+    assert records[1]["loss"] == records[0]["loss"]
+    text = compare.table(records)
+    assert text.count("| gcn |") == 5 and "*" in text
+    with pytest.raises(ValueError, match=r"unknown model\(s\) or method\(s\) \['nomethod'\]"):
+        compare.main(["--data", str(data_root), "--methods", "nomethod"])
+
+
+def test_checkpoint_blocks_wraps_the_named_modules(script):
+    compare = script("compare.py")
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    )
+    x = torch.randn(3, 4, requires_grad=True)
+    expected = torch.autograd.grad(model(x).sum(), x)[0]
+    compare.checkpoint_blocks(model, ["0", "1.0"])
+    assert isinstance(model[0], compare.Checkpointed)
+    assert isinstance(model[1][0], compare.Checkpointed)
+    assert torch.equal(torch.autograd.grad(model(x).sum(), x)[0], expected)

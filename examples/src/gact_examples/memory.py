@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["MemoryMeter", "tune_malloc_for_measurement"]
+__all__ = ["MemoryMeter", "status_bytes", "tune_malloc_for_measurement"]
 
 
 def tune_malloc_for_measurement() -> bool:
@@ -48,6 +48,18 @@ def _proc_status_kb(field: str) -> int | None:
         return None
     m = re.search(rf"^{field}:\s+(\d+) kB", text, re.M)
     return int(m.group(1)) if m else None
+
+
+def status_bytes(field: str) -> int:
+    """A size from ``/proc/self/status`` in bytes, e.g. ``VmRSS`` or ``VmHWM`` (Linux only).
+
+    Raises:
+        RuntimeError: no such field (not Linux, or an unknown name).
+    """
+    kb = _proc_status_kb(field)
+    if kb is None:
+        raise RuntimeError(f"no {field} in /proc/self/status (Linux only)")
+    return kb * 1024
 
 
 def _maxrss_bytes() -> int:

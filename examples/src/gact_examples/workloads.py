@@ -4,8 +4,9 @@
 32 x 128 tiny-shakespeare characters; BERT 2 layers, classifying which half of the corpus a
 window comes from), ``resnet18`` torchvision's layout on CIFAR-10 batches of 64, ``char-gpt`` the
 char-GPT example's memory configuration (6 layers, 64 x 128 characters), ``mnist`` the MNIST
-example's (ResNet-small with 3 blocks per stage, batch 512) and ``gcn`` a two-layer GCN on Cora
-(full batch, the Planetoid split).
+example's (ResNet-small with 3 blocks per stage, batch 512), ``gcn`` a two-layer GCN on Cora
+(full batch, the Planetoid split) and ``encoder6`` six ``nn.TransformerEncoderLayer`` blocks
+(width 256, 8 heads, causal) predicting the next of 32 x 128 tiny-shakespeare characters.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from .models import GNN, CharGPT, ResNet18, ResNetSmall
 
 __all__ = ["MODELS", "Workload", "workload"]
 
-MODELS = ("gpt2", "bert", "resnet18", "char-gpt", "mnist", "gcn")
+MODELS = ("gpt2", "bert", "resnet18", "char-gpt", "mnist", "gcn", "encoder6")
 
 
 @dataclass
@@ -86,6 +87,8 @@ def _text(name: str, data: str) -> Workload:
     x = ids[starts[:, None] + torch.arange(128)]
     val_starts = torch.linspace(0, len(val) - 129, 16).long()
     vx = val[val_starts[:, None] + torch.arange(128)]
+    if name == "encoder6":
+        return _encoder6(ids, vx, vocab, batch)
     if name == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -97,6 +100,7 @@ def _text(name: str, data: str) -> Workload:
             n_positions=128,
             bos_token_id=0,
             eos_token_id=0,
+            use_cache=False,  # training: no key/value cache
         )
         gpt2 = GPT2LMHeadModel(config).train()
 
@@ -136,6 +140,37 @@ def _text(name: str, data: str) -> Workload:
         evaluate,
         tuple(f"blocks.{i}" for i in range(6)),
     )
+
+
+class _Encoder(nn.Module):
+    def __init__(self, vocab: int, width: int = 256, depth: int = 6) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(width, 8, batch_first=True) for _ in range(depth)
+        )
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h, src_mask=mask, is_causal=True)
+        return self.head(h)
+
+
+def _encoder6(ids: torch.Tensor, vx: torch.Tensor, vocab: int, batch: int) -> Workload:
+    enc = _Encoder(vocab).train()
+
+    def encoder_loss(i: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(2000 + i)
+        s = torch.randint(0, len(ids) - 129, (batch,), generator=g)
+        w = ids[s[:, None] + torch.arange(128)]
+        return F.cross_entropy(enc(w)[:, :-1].flatten(0, 1), w[:, 1:].flatten())
+
+    evaluate = _evaluator(enc, lambda: (enc(vx)[:, :-1], vx[:, 1:]))
+    blocks = tuple(f"layers.{i}" for i in range(len(enc.layers)))
+    return Workload(enc, encoder_loss, _adamw(enc), evaluate, blocks)
 
 
 def _adamw(model: nn.Module) -> torch.optim.Optimizer:
@@ -207,4 +242,5 @@ _BUILDERS: dict[str, Callable[[str], Workload]] = {
     "resnet18": _resnet18,
     "mnist": _mnist,
     "gcn": _gcn,
+    "encoder6": lambda data: _text("encoder6", data),
 }

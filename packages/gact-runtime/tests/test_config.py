@@ -44,6 +44,8 @@ def test_unknown_option_lists_the_valid_ones() -> None:
         ("min_numel", 10.0),
         ("adapt_interval", True),
         ("group_size", 256.0),
+        ("compress_checkpoint_inputs", 1),
+        ("channel_groups", "yes"),
     ],
 )
 def test_invalid_option_values_raise(field: str, value: object) -> None:

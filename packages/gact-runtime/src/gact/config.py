@@ -96,6 +96,12 @@ class GactConfig:
             never depends on the range of another. ``False`` groups every tensor in memory
             order, as the original GACT did (it diverged on a ResNet-18 at 32x32, whose last
             stage has 1x1 maps: BENCHMARKS.md, "Stability").
+        compress_checkpoint_inputs: also compress the tensors ``torch.utils.checkpoint`` keeps
+            for its regions (their inputs). ``False`` (the default) keeps them as they are, so
+            the region's recomputation, and the gradient it gives, stay exact; ``True`` saves
+            their memory but makes the region's gradient that of its dequantized input, biased
+            wherever the region decides (ReLU and the like: NOTE [Checkpointed regions] in
+            saved.py).
 
     Example::
 
@@ -117,6 +123,7 @@ class GactConfig:
     memory_budget: int | None = None
     derivative_tables: bool = True
     channel_groups: bool = True
+    compress_checkpoint_inputs: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.level, str) or self.level not in LEVELS:
@@ -160,6 +167,11 @@ class GactConfig:
             )
         if not isinstance(self.channel_groups, bool):
             raise ConfigError(f"channel_groups must be True or False, got {self.channel_groups!r}")
+        if not isinstance(self.compress_checkpoint_inputs, bool):
+            raise ConfigError(
+                "compress_checkpoint_inputs must be True or False, got "
+                f"{self.compress_checkpoint_inputs!r}"
+            )
         if self.memory_budget is not None:
             _check_int("memory_budget", self.memory_budget, 1, none_ok=True)
             if not self.spec.adaptive:

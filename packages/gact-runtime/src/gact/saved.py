@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import abc
+import os
+import sys
 import threading
 import warnings
 import weakref
@@ -238,6 +240,22 @@ class _LiveTable:
         return len(self._entries)
 
 
+# NOTE [Checkpointed regions]
+# Non-reentrant ``torch.utils.checkpoint`` is itself a pair of saved-tensor hooks: inside a
+# region its hooks are the innermost, so GACT never sees what the region saves, neither in the
+# forward nor when the backward recomputes it (those tensors are held exact, and only while the
+# region's backward runs). What the checkpoint keeps, the region's inputs, it saves through the
+# hooks outside the region: GACT's. Compressing them would make the recomputation run on the
+# dequantized input, and the region's gradient that of a perturbed input: the exact-decision
+# guarantee (NOTE [Exact decisions] in decisions.py) is lost, because the recomputed ReLUs
+# decide on the rounded values. On three checkpointed Linear-ReLU-Linear blocks at 4 bits the
+# mean gradient over 200 seeds was 26% off the fp32 one (GACT without checkpointing: within
+# noise), and the inputs are a small part of the peak (BENCHMARKS.md, "GACT against
+# checkpointing"). So they are kept as they are unless ``compress_checkpoint_inputs`` is set.
+# They are recognised by the Python code that made the save: a function of torch's
+# checkpoint.py (the non-reentrant ``save_inputs``, the reentrant ``CheckpointFunction``).
+_CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
+
 # NOTE [Owners]
 # Saved-tensor hooks are thread-local and only the innermost pair is called, so with two
 # controllers installed on one thread the last one's ``pack`` sees every save. A save belongs to
@@ -301,7 +319,9 @@ class SaveHooks:
         owner = self.owner()
         if owner is None:
             return self.pack_own(tensor, inside=False)
-        return owner.pack_own(tensor, inside=True)
+        # the Python code that made this save: see NOTE [Checkpointed regions]
+        region_input = sys._getframe(1).f_code.co_filename.endswith(_CHECKPOINT_FILE)
+        return owner.pack_own(tensor, inside=True, region_input=region_input)
 
     def unpack(self, saved: Saved) -> torch.Tensor:
         self.unpacked += 1
@@ -317,9 +337,12 @@ class SaveHooks:
     # NOTE [Derivative tables] in pointwise.py). The kernels' containers are built without
     # re-validation (NOTE [container invariants] in gact_kernels/_compressed.py).
     # packages/gact-runtime/benchmarks/bench_saves.py measures what a save costs.
-    def pack_own(self, tensor: torch.Tensor, *, inside: bool) -> Saved:
+    def pack_own(
+        self, tensor: torch.Tensor, *, inside: bool, region_input: bool = False
+    ) -> Saved:
         """Pack a save made in this controller's model (or, ``inside=False``, outside every
-        controlled model: then it is kept as it is)."""
+        controlled model: then it is kept as it is); ``region_input``: ``torch.utils.checkpoint``
+        keeps ``tensor`` for a region it will recompute."""
         if type(tensor) not in (torch.Tensor, nn.Parameter) or tensor.is_meta:
             return SavedKept(tensor, "<unsupported>")  # tensor subclasses, meta: not ours
         if self.is_parameter(tensor):
@@ -332,7 +355,8 @@ class SaveHooks:
         hit = self.live.get(tensor, self.tracker.generation)
         if isinstance(hit, SavedCompressed) and hit.table is not None:
             hit = None  # only the function's own backward may read a table (NOTE in pointwise.py)
-        if hit is not None and spec is not None and spec.keeps(tensor):
+        exact = region_input and not self.plan.config.compress_checkpoint_inputs
+        if hit is not None and (exact or (spec is not None and spec.keeps(tensor))):
             hit = hit if isinstance(hit, SavedKept) else None  # a compressed copy would not do
         if hit is not None:
             self.ledger.deduplicated += 1
@@ -341,7 +365,7 @@ class SaveHooks:
             return hit
         compresses = self.plan.config.spec.compresses and tensor.layout is torch.strided
         compact = _compact(tensor) if compresses else None
-        kind = self._treatment(key, tensor, compact, spec, inside)
+        kind = Kind.KEPT if exact else self._treatment(key, tensor, compact, spec, inside)
         if kind is not None:
             bits = tensor.element_size() * 8 if kind is Kind.KEPT and self._full(key) else None
             saved: Saved = SavedKept(tensor, key)
