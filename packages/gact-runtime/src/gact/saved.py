@@ -337,9 +337,7 @@ class SaveHooks:
     # NOTE [Derivative tables] in pointwise.py). The kernels' containers are built without
     # re-validation (NOTE [container invariants] in gact_kernels/_compressed.py).
     # packages/gact-runtime/benchmarks/bench_saves.py measures what a save costs.
-    def pack_own(
-        self, tensor: torch.Tensor, *, inside: bool, region_input: bool = False
-    ) -> Saved:
+    def pack_own(self, tensor: torch.Tensor, *, inside: bool, region_input: bool = False) -> Saved:
         """Pack a save made in this controller's model (or, ``inside=False``, outside every
         controlled model: then it is kept as it is); ``region_input``: ``torch.utils.checkpoint``
         keeps ``tensor`` for a region it will recompute."""
