@@ -171,3 +171,35 @@ def test_transformer_layers_checkpointed_one_by_one():
     assert ctl.stats()["compressed_tensors"] >= 1
     assert float(torch.nn.functional.cosine_similarity(alone, both, dim=0)) > 0.98
     assert not any(k.split("#")[0].startswith(tuple("123456")) for k in ctl.ledger.last)
+
+
+def test_reentrant_checkpointing_keeps_its_inputs_too(monkeypatch):
+    # the reentrant CheckpointFunction saves its inputs with save_for_backward, called from
+    # torch/utils/checkpoint.py through Function.apply (NOTE [Checkpointed regions])
+    torch.manual_seed(0)
+
+    class Reentrant(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp, self.out = nn.Linear(16, 16), nn.Linear(16, 4)
+            self.block = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(checkpoint(self.block, self.inp(x), use_reentrant=True))
+
+    model = Reentrant()
+    ctl = Controller(model, GactConfig.from_level("L1", min_numel=0))
+    regions: list[bool] = []
+    pack_own = ctl.hooks.pack_own
+
+    def recording(tensor: torch.Tensor, **kwargs: Any) -> Any:
+        regions.append(kwargs.get("region_input", False))
+        return pack_own(tensor, **kwargs)
+
+    monkeypatch.setattr(ctl.hooks, "pack_own", recording)
+    with ctl:
+        model(torch.randn(64, 16)).sum().backward()
+        ctl.step()
+    assert sum(regions) == 1
+    kept = [r for r in ctl.ledger.last.values() if r.kind is Kind.KEPT]
+    assert len(kept) == 1 and kept[0].shape == (64, 16)

@@ -252,9 +252,24 @@ class _LiveTable:
 # mean gradient over 200 seeds was 26% off the fp32 one (GACT without checkpointing: within
 # noise), and the inputs are a small part of the peak (BENCHMARKS.md, "GACT against
 # checkpointing"). So they are kept as they are unless ``compress_checkpoint_inputs`` is set.
+# (Reentrant checkpointing recomputes through the hooks of the thread: GACT compresses those
+# recomputed saves, which live only while the region's backward runs.)
 # They are recognised by the Python code that made the save: a function of torch's
-# checkpoint.py (the non-reentrant ``save_inputs``, the reentrant ``CheckpointFunction``).
+# checkpoint.py (the non-reentrant ``save_inputs``; the reentrant ``checkpoint``, through
+# ``Function.apply``, whose ``CheckpointFunction`` saves them with ``save_for_backward``).
 _CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
+_FUNCTION_FILE = os.path.join("torch", "autograd", "function.py")
+
+
+def _from_checkpoint() -> bool:
+    """Whether the save being packed was made by torch's checkpoint.py (NOTE [Checkpointed
+    regions]): directly (non-reentrant), or through ``Function.apply`` (reentrant)."""
+    frame = sys._getframe(2)  # _from_checkpoint <- pack <- the code that saved
+    code = frame.f_code
+    if code.co_name == "apply" and code.co_filename.endswith(_FUNCTION_FILE):
+        frame = frame.f_back
+    return frame is not None and frame.f_code.co_filename.endswith(_CHECKPOINT_FILE)
+
 
 # NOTE [Owners]
 # Saved-tensor hooks are thread-local and only the innermost pair is called, so with two
@@ -319,9 +334,7 @@ class SaveHooks:
         owner = self.owner()
         if owner is None:
             return self.pack_own(tensor, inside=False)
-        # the Python code that made this save: see NOTE [Checkpointed regions]
-        region_input = sys._getframe(1).f_code.co_filename.endswith(_CHECKPOINT_FILE)
-        return owner.pack_own(tensor, inside=True, region_input=region_input)
+        return owner.pack_own(tensor, inside=True, region_input=_from_checkpoint())
 
     def unpack(self, saved: Saved) -> torch.Tensor:
         self.unpacked += 1
