@@ -33,6 +33,32 @@ PYBIND11_MODULE(_cpu, m) {
       py::arg("bits"), py::arg("seed"), py::arg("zero_exact"), py::arg("dtype"), py::arg("out"),
       py::arg("threads"), Release());
   m.def(
+      "quantize_runs",
+      [](uintptr_t x, int dtype, int64_t outer, int64_t channels, int64_t inner, int64_t run,
+         int64_t group_size, int bits, uint64_t seed, bool zero_exact, uintptr_t out, uintptr_t lo,
+         uintptr_t scale, int threads) {
+        return gact::quantize_runs_cpu(ptr<const void>(x), dtype, outer, channels, inner, run,
+                                       group_size, bits, seed, zero_exact, ptr<uint8_t>(out),
+                                       ptr<float>(lo), ptr<float>(scale), threads);
+      },
+      py::arg("x"), py::arg("dtype"), py::arg("outer"), py::arg("channels"), py::arg("inner"),
+      py::arg("run"), py::arg("group_size"), py::arg("bits"), py::arg("seed"),
+      py::arg("zero_exact"), py::arg("out"), py::arg("lo"), py::arg("scale"), py::arg("threads"),
+      Release());
+  m.def(
+      "dequantize_runs",
+      [](uintptr_t data, uintptr_t lo, uintptr_t scale, int64_t outer, int64_t channels,
+         int64_t inner, int64_t run, int64_t group_size, int bits, uint64_t seed, bool zero_exact,
+         int dtype, uintptr_t out, int threads) {
+        gact::dequantize_runs_cpu(ptr<const uint8_t>(data), ptr<const float>(lo),
+                                  ptr<const float>(scale), outer, channels, inner, run,
+                                  group_size, bits, seed, zero_exact, dtype, ptr<void>(out),
+                                  threads);
+      },
+      py::arg("data"), py::arg("lo"), py::arg("scale"), py::arg("outer"), py::arg("channels"),
+      py::arg("inner"), py::arg("run"), py::arg("group_size"), py::arg("bits"), py::arg("seed"),
+      py::arg("zero_exact"), py::arg("dtype"), py::arg("out"), py::arg("threads"), Release());
+  m.def(
       "bucketize",
       [](uintptr_t x, int dtype, int64_t n, uintptr_t bounds, int nb, uintptr_t out, int threads) {
         gact::bucketize_cpu(ptr<const void>(x), dtype, n, ptr<const float>(bounds), nb,

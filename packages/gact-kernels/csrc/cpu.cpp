@@ -191,22 +191,77 @@ GACT_SIMD void round_run(const float* __restrict v, int64_t m, StreamKey key, ui
   }
 }
 
+// The channel-major block of NOTE [channel groups] (_layout.py) read from, and written to, its
+// tensor in place: the tensor is [outer][channels][inner] in memory; channel c's run is its
+// outer * inner elements in (outer, inner) order, padded to `run` elements (a multiple of the
+// group size) by repeating its last element. `run == 0`: the block is the memory itself.
+struct Runs {
+  int64_t outer = 0, channels = 0, inner = 0, run = 0;
+};
+
+// Elements [first, first + m) of the block (within one channel's run) as floats: pieces of up
+// to `inner` contiguous elements, `channels * inner` apart (one element each for inner == 1,
+// the channels-last and 1x1-map case).
+template <int DT>
+void gather_run(const typename Elem<DT>::type* x, const Runs& r, int64_t first, int64_t m,
+                float* buf) {
+  const int64_t c = first / r.run, j = first % r.run, stride = r.channels * r.inner;
+  int64_t o = j / r.inner, i = j % r.inner, k = 0;
+  if (r.inner == 1) {
+    for (const auto* src = x + o * stride + c; k < m && o < r.outer; ++k, ++o, src += stride) {
+      buf[k] = Elem<DT>::load(*src);
+    }
+  } else {
+    for (; k < m && o < r.outer; ++o, i = 0) {
+      const int64_t take = std::min(r.inner - i, m - k);
+      const auto* src = x + o * stride + c * r.inner + i;
+      for (int64_t t = 0; t < take; ++t) buf[k + t] = Elem<DT>::load(src[t]);
+      k += take;
+    }
+  }
+  if (k < m) {  // padding: the run's last element
+    const float last = Elem<DT>::load(x[(r.outer - 1) * stride + c * r.inner + r.inner - 1]);
+    std::fill(buf + k, buf + m, last);
+  }
+}
+
+// Writes elements [first, first + m) of the block back to their places (padding is dropped).
+template <typename T>
+void scatter_run(const T* buf, const Runs& r, int64_t first, int64_t m, T* out) {
+  const int64_t c = first / r.run, j = first % r.run, stride = r.channels * r.inner;
+  int64_t o = j / r.inner, i = j % r.inner, k = 0;
+  if (r.inner == 1) {
+    for (T* dst = out + o * stride + c; k < m && o < r.outer; ++k, ++o, dst += stride) {
+      *dst = buf[k];
+    }
+    return;
+  }
+  for (; k < m && o < r.outer; ++o, i = 0) {
+    const int64_t take = std::min(r.inner - i, m - k);
+    std::memcpy(out + o * stride + c * r.inner + i, buf + k, take * sizeof(T));
+    k += take;
+  }
+}
+
 template <int DT, int B>
 void quantize_impl(const typename Elem<DT>::type* x, int64_t n, int64_t G, StreamKey key,
-                   bool zero_exact, uint8_t* out, float* lo, float* scale, int threads) {
+                   bool zero_exact, uint8_t* out, float* lo, float* scale, int threads,
+                   const Runs& runs) {
   const int64_t groups = (n + G - 1) / G;
   const float levels = static_cast<float>((1 << B) - 1);
   constexpr float tiny = zero_exact_tiny<DT>();
 #pragma omp parallel num_threads(team_size(threads, n))
   {
-    std::vector<float> fbuf(DT == kFloat32 ? 0 : G);
+    std::vector<float> fbuf(DT == kFloat32 && runs.run == 0 ? 0 : G);
     std::vector<uint8_t> qbuf(B == 8 ? 0 : G + kChunk, 0);
 #pragma omp for schedule(dynamic, kGroupsPerTask)
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t first = g * G;
       const int64_t m = std::min(G, n - first);
       const float* xs = fbuf.data();
-      if constexpr (DT == kFloat32) {
+      if (runs.run != 0) {
+        gather_run<DT>(x, runs, first, m, fbuf.data());
+      } else if constexpr (DT == kFloat32) {
         xs = x + first;
       } else {
         to_floats<DT>(x + first, m, fbuf.data());
@@ -235,13 +290,15 @@ void quantize_impl(const typename Elem<DT>::type* x, int64_t n, int64_t G, Strea
 template <int DT, int B>
 void dequantize_impl(const uint8_t* data, const float* lo, const float* scale, int64_t n,
                      int64_t G, StreamKey key, bool zero_exact, typename Elem<DT>::type* out,
-                     int threads) {
+                     int threads, const Runs& runs) {
+  using T = typename Elem<DT>::type;
   const int64_t groups = (n + G - 1) / G;
   constexpr float tiny = zero_exact_tiny<DT>();
 #pragma omp parallel num_threads(team_size(threads, n))
   {
     std::vector<uint8_t> qbuf(B == 8 ? 0 : G + kChunk);
-    std::vector<float> fbuf(DT == kFloat32 ? 0 : G);
+    std::vector<float> fbuf(DT == kFloat32 && runs.run == 0 ? 0 : G);
+    std::vector<T> tbuf(DT == kFloat32 || runs.run == 0 ? 0 : G);
 #pragma omp for schedule(dynamic, kGroupsPerTask)
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t first = g * G;
@@ -252,12 +309,19 @@ void dequantize_impl(const uint8_t* data, const float* lo, const float* scale, i
         q = qbuf.data();
       }
       if constexpr (DT == kFloat32) {
-        levels_of(q, m, lo[g], scale[g], zero_exact, tiny, out + first);
+        if (runs.run == 0) {
+          levels_of(q, m, lo[g], scale[g], zero_exact, tiny, out + first);
+        } else {
+          levels_of(q, m, lo[g], scale[g], zero_exact, tiny, fbuf.data());
+          scatter_run(fbuf.data(), runs, first, m, out);
+        }
       } else {
         levels_of(q, m, lo[g], scale[g], zero_exact, tiny, fbuf.data());
+        T* dst = runs.run == 0 ? out + first : tbuf.data();  // rounded with the block's index
         by_runs(key, first, m, [&](int64_t j, int64_t len, uint32_t high, uint32_t e_low) {
-          round_run<DT>(fbuf.data() + j, len, key, high, e_low, out + first + j);
+          round_run<DT>(fbuf.data() + j, len, key, high, e_low, dst + j);
         });
+        if (runs.run != 0) scatter_run(tbuf.data(), runs, first, m, out);
       }
     }
   }
@@ -266,17 +330,17 @@ void dequantize_impl(const uint8_t* data, const float* lo, const float* scale, i
 template <int DT, int B>
 struct Quantize {
   static void run(const void* x, int64_t n, int64_t G, StreamKey key, bool zero_exact,
-                  uint8_t* out, float* lo, float* scale, int threads) {
+                  uint8_t* out, float* lo, float* scale, int threads, Runs runs) {
     quantize_impl<DT, B>(static_cast<const typename Elem<DT>::type*>(x), n, G, key, zero_exact,
-                         out, lo, scale, threads);
+                         out, lo, scale, threads, runs);
   }
 };
 template <int DT, int B>
 struct Dequantize {
   static void run(const uint8_t* data, const float* lo, const float* scale, int64_t n, int64_t G,
-                  StreamKey key, bool zero_exact, void* out, int threads) {
+                  StreamKey key, bool zero_exact, void* out, int threads, Runs runs) {
     dequantize_impl<DT, B>(data, lo, scale, n, G, key, zero_exact,
-                           static_cast<typename Elem<DT>::type*>(out), threads);
+                           static_cast<typename Elem<DT>::type*>(out), threads, runs);
   }
 };
 
@@ -319,9 +383,33 @@ int64_t quantize_cpu(const void* x, int dtype, int64_t n, int64_t group_size, in
   check_zero_exact(zero_exact, bits);
   if (n <= 0) return 0;
   dispatch<Quantize>(dtype, bits, x, n, group_size, quantize_key(seed), zero_exact, out, lo,
-                     scale, threads);
+                     scale, threads, Runs{});
   const int64_t groups = (n + group_size - 1) / group_size;
   return std::count_if(scale, scale + groups, [](float s) { return std::isnan(s); });
+}
+
+namespace {
+Runs checked_runs(int64_t outer, int64_t channels, int64_t inner, int64_t run,
+                  int64_t group_size) {
+  if (outer < 1 || channels < 1 || inner < 1 || run < outer * inner || run % group_size != 0) {
+    throw std::invalid_argument(
+        "channel runs: need outer, channels, inner >= 1 and a run of at least outer * inner "
+        "elements, a multiple of the group size");
+  }
+  return Runs{outer, channels, inner, run};
+}
+}  // namespace
+
+int64_t quantize_runs_cpu(const void* x, int dtype, int64_t outer, int64_t channels,
+                          int64_t inner, int64_t run, int64_t group_size, int bits, uint64_t seed,
+                          bool zero_exact, uint8_t* out, float* lo, float* scale, int threads) {
+  check_group_size(group_size);
+  check_zero_exact(zero_exact, bits);
+  const Runs runs = checked_runs(outer, channels, inner, run, group_size);
+  const int64_t n = channels * run;
+  dispatch<Quantize>(dtype, bits, x, n, group_size, quantize_key(seed), zero_exact, out, lo,
+                     scale, threads, runs);
+  return std::count_if(scale, scale + n / group_size, [](float s) { return std::isnan(s); });
 }
 
 void dequantize_cpu(const uint8_t* data, const float* lo, const float* scale, int64_t n,
@@ -331,7 +419,18 @@ void dequantize_cpu(const uint8_t* data, const float* lo, const float* scale, in
   check_zero_exact(zero_exact, bits);
   if (n <= 0) return;
   dispatch<Dequantize>(dtype, bits, data, lo, scale, n, group_size, dequantize_key(seed),
-                       zero_exact, out, threads);
+                       zero_exact, out, threads, Runs{});
+}
+
+void dequantize_runs_cpu(const uint8_t* data, const float* lo, const float* scale, int64_t outer,
+                         int64_t channels, int64_t inner, int64_t run, int64_t group_size,
+                         int bits, uint64_t seed, bool zero_exact, int dtype, void* out,
+                         int threads) {
+  check_group_size(group_size);
+  check_zero_exact(zero_exact, bits);
+  const Runs runs = checked_runs(outer, channels, inner, run, group_size);
+  dispatch<Dequantize>(dtype, bits, data, lo, scale, channels * run, group_size,
+                       dequantize_key(seed), zero_exact, out, threads, runs);
 }
 
 void bucketize_cpu(const void* x, int dtype, int64_t n, const float* bounds, int nb, uint8_t* out,

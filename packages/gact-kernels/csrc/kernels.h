@@ -19,6 +19,17 @@ int64_t quantize_cpu(const void* x, int dtype, int64_t n, int64_t group_size, in
 void dequantize_cpu(const uint8_t* data, const float* lo, const float* scale, int64_t n,
                     int64_t group_size, int bits, uint64_t seed, bool zero_exact, int dtype,
                     void* out, int threads);
+// The same on the channel-major block of NOTE [channel groups] (_layout.py), read from and
+// written to its tensor in place: x (out) is [outer][channels][inner] in memory; each
+// channel's outer * inner elements, padded to `run` (a multiple of group_size) by repeating
+// the last, are the block's next run. Same bytes and values as the plain kernels on the block.
+int64_t quantize_runs_cpu(const void* x, int dtype, int64_t outer, int64_t channels,
+                          int64_t inner, int64_t run, int64_t group_size, int bits, uint64_t seed,
+                          bool zero_exact, uint8_t* out, float* lo, float* scale, int threads);
+void dequantize_runs_cpu(const uint8_t* data, const float* lo, const float* scale, int64_t outer,
+                         int64_t channels, int64_t inner, int64_t run, int64_t group_size,
+                         int bits, uint64_t seed, bool zero_exact, int dtype, void* out,
+                         int threads);
 // in: n bytes (0/1); out: ceil(n/8) bytes. Returns true if an input byte was > 1.
 bool pack_mask_cpu(const uint8_t* in, int64_t n, uint8_t* out, int threads);
 void unpack_mask_cpu(const uint8_t* in, int64_t n, uint8_t* out, int threads);

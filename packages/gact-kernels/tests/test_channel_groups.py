@@ -11,7 +11,7 @@ from typing import Callable
 import gact_kernels
 import pytest
 import torch
-from gact_kernels._layout import channel_grouping, to_channel_runs
+from gact_kernels._layout import channel_grouping, from_channel_runs, to_channel_runs
 from gact_kernels.reference import reference_dequantize
 from kernels_testing import DTYPES, bits_equal, requires_cuda
 
@@ -60,22 +60,59 @@ def test_memory_order_groups_span_channels(layout: str) -> None:
     assert float(q.scale.max()) * 7 > 9.0
 
 
+@pytest.mark.parametrize("zero_exact", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", [*sorted(LAYOUTS), "channels_last_3d"])
 @pytest.mark.parametrize("shape", sorted(SHAPES), ids=str)
-def test_bytes_are_the_kernel_on_the_channel_block(shape: str) -> None:
+def test_bytes_are_the_kernel_on_the_channel_block(
+    shape: str, layout: str, dtype: torch.dtype, zero_exact: bool
+) -> None:
     """The layout only reorders and pads: codes, minima, steps and noise are exactly those of
-    ``quantize`` on the channel-major block with the chosen group size."""
-    x = torch.randn(SHAPES[shape], generator=torch.Generator().manual_seed(1))
-    q = gact_kernels.quantize(x, 5, group_size=64, seed=9, zero_exact=False, channel_dim=1)
+    ``quantize`` on the channel-major block with the chosen group size, whether the CPU kernels
+    read the runs in place (contiguous, channels-last) or the block is copied; dequantize gives
+    back what the plain kernel gives on the block, in the tensor's layout."""
+    x = torch.randn(SHAPES[shape], generator=torch.Generator().manual_seed(1)).to(dtype)
+    if layout == "channels_last_3d":
+        x = (
+            x.unsqueeze(2)
+            .expand(-1, -1, 2, -1, -1)
+            .contiguous(memory_format=torch.channels_last_3d)
+        )
+    else:
+        x = LAYOUTS[layout](x)
+    if zero_exact:
+        x = x.relu()
+    q = gact_kernels.quantize(x, 5, group_size=64, seed=9, zero_exact=zero_exact, channel_dim=1)
     group, run = channel_grouping(x.shape, 1, 64)
     block = to_channel_runs(x, 1, group)
     assert q.group_size == group and block.numel() == q.stored_numel == x.shape[1] * run
-    plain = gact_kernels.quantize(block, 5, group_size=group, seed=9)
+    plain = gact_kernels.quantize(block, 5, group_size=group, seed=9, zero_exact=zero_exact)
     for name in ("data", "lo", "scale"):
         assert bits_equal(getattr(q, name), getattr(plain, name)), name
+    restored = from_channel_runs(
+        gact_kernels.dequantize(plain), torch.empty_like(x.contiguous()), 1
+    )
+    assert bits_equal(gact_kernels.dequantize(q).contiguous(), restored)
     # padding repeats each channel's last element, so no group's range grows
     runs = block.view(x.shape[1], run)
     length = x.numel() // x.shape[1]
     assert bool((runs[:, length:] == runs[:, length - 1 : length]).all())
+
+
+def test_lossless_groups_of_channel_runs() -> None:
+    """A NaN in a channel run: the group is stored losslessly (gathered from the block) and
+    comes back bit-exact, in place of the kernels' in-place path."""
+    x = torch.randn(7, 16, 3, 4, generator=torch.Generator().manual_seed(2))
+    x[3, 5, 1, 2] = float("nan")
+    for t in (x, x.contiguous(memory_format=torch.channels_last)):
+        q = gact_kernels.quantize(t, 4, group_size=64, seed=1, channel_dim=1)
+        assert q.lossless_groups.numel() == 1
+        y = gact_kernels.dequantize(q)
+        assert y.stride() == t.stride() and bool(torch.isnan(y[3, 5, 1, 2]))
+        group, _ = channel_grouping(x.shape, 1, 64)
+        plain = gact_kernels.quantize(to_channel_runs(t, 1, group), 4, group_size=group, seed=1)
+        restored = from_channel_runs(gact_kernels.dequantize(plain), torch.empty_like(x), 1)
+        assert bits_equal(y.contiguous(), restored)
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ from ._checks import integer
 
 __all__ = [
     "channel_grouping",
+    "channel_runs",
     "check_layout",
     "contiguous_stride",
     "empty_with_layout",
@@ -103,7 +104,12 @@ def restore_stride(x: torch.Tensor) -> tuple[int, ...]:
 # dimension) split into whole groups of a multiple of 8 between ``group_size / 2`` and
 # ``group_size`` (``plane_group``: 16x16 and 32x32 maps at 256; 56x56 at 224, which costs 0.29
 # bits of metadata per element instead of 0.25). Other planes (7x7, 14x14, 28x28, anything
-# smaller than a group) take the copy, about one memory copy of the tensor each way.
+# smaller than a group) are grouped channel-major all the same. On the CPU, a contiguous or
+# channels-last tensor is read (and restored) in place: the kernels gather each group from the
+# channel's pieces of ``inner`` contiguous elements (``channel_runs``; ``quantize_runs`` and
+# ``dequantize_runs`` in csrc/cpu.cpp), same bytes and values as on the copied block. Other
+# layouts, the rare tensors with lossless groups, and CUDA take the copy, about one memory copy
+# of the tensor each way.
 
 
 @functools.lru_cache(maxsize=4096)
@@ -147,6 +153,30 @@ def plane_group(plane: int, group_size: int) -> int | None:
     for group in range(group_size - group_size % 8, (group_size + 1) // 2 - 1, -8):
         if group >= 8 and plane % group == 0:
             return group
+    return None
+
+
+def channel_runs(t: torch.Tensor, channel_dim: int, run: int) -> tuple[int, int, int, int] | None:
+    """``(outer, channels, inner, run)`` when the CPU kernels can read (or write) the
+    channel-major block of ``t`` in place: ``t``'s memory is ``[outer][channels][inner]`` and
+    each channel's elements lie in its logical order (contiguous, or channels-last with
+    ``channel_dim == 1``); ``None`` otherwise, and then the block is copied (NOTE [channel
+    groups]).
+
+    Example:
+        >>> x = torch.empty(2, 3, 4, 5).to(memory_format=torch.channels_last)
+        >>> channel_runs(x.contiguous(), 1, 40), channel_runs(x, 1, 40)
+        ((2, 3, 20, 40), (40, 3, 1, 40))
+    """
+    channels = t.shape[channel_dim]
+    if t.is_contiguous():
+        inner = math.prod(t.shape[channel_dim + 1 :])
+        return t.numel() // (channels * inner), channels, inner, run
+    if channel_dim == 1 and (
+        (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
+        or (t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d))
+    ):
+        return t.numel() // channels, channels, 1, run
     return None
 
 

@@ -21,6 +21,7 @@ from ._checks import (
 from ._compressed import Compressed
 from ._layout import (
     channel_grouping,
+    channel_runs,
     check_layout,
     empty_with_layout,
     flat_view,
@@ -222,7 +223,8 @@ def quantize(
     for convolution-style activations (``channel_dim=1`` of NCHW or channels-last tensors),
     whose channels differ in scale. A contiguous tensor whose channel planes split into whole
     groups of between ``group_size / 2`` and ``group_size`` elements is stored in memory order
-    with that group size (``channel_dim`` is then ``None``); any other costs one copy each way.
+    with that group size (``channel_dim`` is then ``None``); any other is read in place on the
+    CPU when contiguous or channels-last, and otherwise (and on CUDA) costs one copy each way.
 
     Args:
         x: dense float32, float16 or bfloat16 tensor of any shape, on CPU or CUDA.
@@ -275,21 +277,34 @@ def quantize(
             channel_dim = None
         elif x.is_contiguous() and plane is not None:
             group_size, channel_dim = plane, None  # memory order keeps groups inside channels
+    runs = None  # the CPU kernels read channel runs in place: no copy (NOTE [channel groups])
     if channel_dim is None:
         flat, stride = memory_order(x)
+        n = flat.numel()
     else:
-        group_size, _ = channel_grouping(x.shape, channel_dim, group_size)
-        flat, stride = to_channel_runs(x, channel_dim, group_size), restore_stride(x)
-    n = flat.numel()
+        group_size, padded = channel_grouping(x.shape, channel_dim, group_size)
+        stride = restore_stride(x)
+        if x.device.type == "cpu":
+            runs = channel_runs(x, channel_dim, padded)
+        flat = x if runs is not None else to_channel_runs(x, channel_dim, group_size)
+        n = x.shape[channel_dim] * padded
     groups = -(-n // group_size)
     data = torch.empty((n * bits + 7) // 8, dtype=torch.uint8, device=x.device)
     lo = torch.empty(groups, dtype=torch.float32, device=x.device)
     scale = torch.empty(groups, dtype=torch.float32, device=x.device)
     found = 0
-    if n:
+    code = DTYPE_CODES[x.dtype]
+    if runs is not None:
         found = launch(
-            "quantize", x.device, flat.data_ptr(), DTYPE_CODES[x.dtype], n, group_size, bits,
-            seed, zero_exact, data.data_ptr(), lo.data_ptr(), scale.data_ptr(),
+            "quantize_runs", x.device, x.data_ptr(), code, *runs, group_size, bits, seed,
+            zero_exact, data.data_ptr(), lo.data_ptr(), scale.data_ptr(),
+        )  # fmt: skip
+        if found:  # rare (NaN/Inf): the lossless groups are gathered from the block
+            flat = to_channel_runs(x, channel_dim, group_size)
+    elif n:
+        found = launch(
+            "quantize", x.device, flat.data_ptr(), code, n, group_size, bits, seed, zero_exact,
+            data.data_ptr(), lo.data_ptr(), scale.data_ptr(),
         )  # fmt: skip
     lossless_groups, lossless_values = _lossless(flat, scale, group_size, found)
     return QuantizedTensor._built(
@@ -326,6 +341,17 @@ def dequantize(q: QuantizedTensor) -> torch.Tensor:
         raise TypeError(f"q must be a QuantizedTensor, got {type(q).__name__}")
     q._check_buffers()
     out = empty_with_layout(q.shape, q.stride, q.dtype, q.device)
+    lossless = q.lossless_groups.numel() > 0
+    if q.channel_dim is not None and q.device.type == "cpu" and not lossless:
+        channels = q.shape[q.channel_dim]
+        runs = channel_runs(out, q.channel_dim, q.stored_numel // channels)
+        if runs is not None:  # written in place (NOTE [channel groups])
+            launch(
+                "dequantize_runs", q.device, q.data.data_ptr(), q.lo.data_ptr(),
+                q.scale.data_ptr(), *runs, q.group_size, q.bits, q.seed, q.zero_exact,
+                DTYPE_CODES[q.dtype], out.data_ptr(),
+            )  # fmt: skip
+            return out
     if q.channel_dim is None:
         flat = flat_view(out)
     else:
@@ -336,7 +362,7 @@ def dequantize(q: QuantizedTensor) -> torch.Tensor:
             "dequantize", q.device, q.data.data_ptr(), q.lo.data_ptr(), q.scale.data_ptr(), n,
             q.group_size, q.bits, q.seed, q.zero_exact, DTYPE_CODES[q.dtype], flat.data_ptr(),
         )  # fmt: skip
-    if q.lossless_groups.numel():
+    if lossless:
         flat[_element_index(q.lossless_groups, q.group_size, n)] = q.lossless_values
     if q.channel_dim is not None:
         from_channel_runs(flat, out, q.channel_dim)
