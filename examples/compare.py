@@ -94,29 +94,10 @@ def selective_context() -> Any:
     return create_selective_checkpoint_contexts(policy)
 
 
-def live_peak(step: Callable[[], None]) -> int:
-    """Peak bytes of CPU tensors allocated during ``step`` and alive at once, over those live
-    when it starts (from the profiler's allocation events)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]"
-    )
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return peak
-
-
 def worker(model_name: str, method: str, steps: int, data: str) -> dict[str, Any]:
     """One run in this process (see the module docstring)."""
     from gact import Controller, GactConfig
-    from gact_examples.memory import status_bytes
+    from gact_examples.memory import live_tensor_peak, status_bytes
     from gact_examples.workloads import workload
 
     if method not in METHODS:
@@ -157,7 +138,7 @@ def worker(model_name: str, method: str, steps: int, data: str) -> dict[str, Any
     with controller if controller is not None else _nothing():
         for i in range(steps):
             if i == WARMUP:
-                live = live_peak(lambda i=i: train(i))
+                _, live = live_tensor_peak(lambda i=i: train(i))
                 continue
             start = time.perf_counter()
             train(i)

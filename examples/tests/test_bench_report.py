@@ -27,6 +27,7 @@ def _rec(level: str, metric: float | None, orig: int, seed: int) -> dict[str, An
         "throughput": 100.0,
         "throughput_unit": "images/s",
         "peak_memory_delta_bytes": stored * 3 + 10,
+        "live_peak_bytes": stored * 2,
         "memory_method": "test",
         "seed": seed,
         "train_time_s": 1.0,
@@ -87,6 +88,7 @@ def test_memory_table_checks_peak_reduction(plan, results):
     # peak delta = 3 * stored + 10: fp32 / L2 is close to the 8x compression, above the 3x target
     assert check.met == "yes" and float(check.measured.rstrip("×")) == pytest.approx(8.0, rel=1e-3)
     assert any("falls much less" in line for line in lines)
+    assert any(", live " in line and " MiB (saved " in line for line in lines)  # beside RSS
 
 
 def test_partial_seeds_are_marked(plan, results):

@@ -10,11 +10,15 @@ from __future__ import annotations
 import re
 import resource
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
-__all__ = ["MemoryMeter", "status_bytes", "tune_malloc_for_measurement"]
+T = TypeVar("T")
+
+__all__ = ["MemoryMeter", "live_tensor_peak", "status_bytes", "tune_malloc_for_measurement"]
 
 
 def tune_malloc_for_measurement() -> bool:
@@ -48,6 +52,33 @@ def _proc_status_kb(field: str) -> int | None:
         return None
     m = re.search(rf"^{field}:\s+(\d+) kB", text, re.M)
     return int(m.group(1)) if m else None
+
+
+def live_tensor_peak(fn: Callable[[], T]) -> tuple[T, int]:
+    """Run ``fn``; return what it returned and the peak bytes of CPU tensors allocated during it
+    and alive at once (over those alive when it starts), from the torch profiler's allocation
+    events. Unlike the resident size this does not depend on the C allocator: it is what a
+    perfect allocator would need, what ``max_memory_allocated`` counts on CUDA.
+
+    Example:
+        >>> _, peak = live_tensor_peak(lambda: torch.ones(1 << 20).sum())
+        >>> peak >= 4 << 20
+        True
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    events = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]"
+    )
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return result, peak
 
 
 def status_bytes(field: str) -> int:
@@ -90,6 +121,7 @@ class MemoryMeter:
         self.device = device
         self.baseline = 0
         self.peak = 0
+        self.reserved_peak: int | None = None  # CUDA: max_memory_reserved
         self.process_peak = 0
         self.method = ""
         self._window = False
@@ -117,6 +149,7 @@ class MemoryMeter:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.peak = torch.cuda.max_memory_allocated(self.device)
+            self.reserved_peak = torch.cuda.max_memory_reserved(self.device)
             self.process_peak = self.peak
             return
         self.process_peak = _maxrss_bytes()

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from .data import default_data_root
-from .memory import MemoryMeter, tune_malloc_for_measurement
+from .memory import MemoryMeter, live_tensor_peak, tune_malloc_for_measurement
 
 __all__ = [
     "LEVELS",
@@ -126,6 +126,13 @@ def base_parser(
     )
     p.add_argument("--mem-steps", type=int, default=5)
     p.add_argument(
+        "--tune-malloc",
+        action="store_true",
+        help="memory run on the CPU: make glibc return freed memory (mmap threshold 128 KiB), "
+        "so that the resident peak follows live memory; the default measures the process as "
+        "users run it",
+    )
+    p.add_argument(
         "--report",
         action="store_true",
         help="print the controller's per-tensor report (bits, sensitivity ± SE) at the end",
@@ -164,11 +171,12 @@ def check_args(
 def setup(args: argparse.Namespace) -> torch.device:
     """Seed every RNG, set the thread count, return the device.
 
-    Memory runs (``--get-mem``) on the CPU also tune glibc malloc so that the resident size
-    follows live memory (:func:`~gact_examples.memory.tune_malloc_for_measurement`).
+    With ``--tune-malloc`` a memory run on the CPU tunes glibc malloc so that the resident size
+    follows live memory (:func:`~gact_examples.memory.tune_malloc_for_measurement`); by default
+    it measures the process under the malloc users run, and the live-tensor peak beside it.
     """
     args.malloc_tuned = False
-    if args.get_mem and torch.device(args.device).type != "cuda":
+    if args.get_mem and args.tune_malloc and torch.device(args.device).type != "cuda":
         args.malloc_tuned = tune_malloc_for_measurement()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -244,6 +252,7 @@ class Run:
         self.device = device
         self.controller = self._make_controller(model, args)
         self.memory = MemoryMeter(device)
+        self.live_peak: int | None = None  # CPU memory runs: live tensors in one step
         self.step_times: list[float] = []
         self.stats: dict[str, Any] = {}
         self.history: list[dict[str, Any]] = []
@@ -295,13 +304,22 @@ class Run:
         """
         self._sync()
         t = time.perf_counter()
-        if self.controller is not None:
-            loss = self.controller.iterate(closure)
-            self.stats = dict(self.controller.stats())
+
+        def iteration() -> torch.Tensor:
+            if self.controller is not None:
+                return self.controller.iterate(closure)
+            return closure()
+
+        cpu_memory_run = self.args.get_mem and self.device.type == "cpu"
+        if cpu_memory_run and self.live_peak is None and len(self.step_times) == 1:
+            # the second step, after the warm-up: profiled, so not timed
+            loss, self.live_peak = live_tensor_peak(iteration)
         else:
-            loss = closure()
-        self._sync()
-        self.step_times.append(time.perf_counter() - t)
+            loss = iteration()
+            self._sync()
+            self.step_times.append(time.perf_counter() - t)
+        if self.controller is not None:
+            self.stats = dict(self.controller.stats())
         return loss.detach()
 
     def train_steps(
@@ -380,6 +398,8 @@ class Run:
             "peak_memory_delta_bytes": self.memory.delta,
             "baseline_memory_bytes": self.memory.baseline,
             "process_peak_memory_bytes": self.memory.process_peak,
+            "live_peak_bytes": self.live_peak,
+            "cuda_reserved_peak_bytes": self.memory.reserved_peak,
             "memory_method": self.memory.method + tuned,
             "step_time_s": step_time,
             "step_time_mean_s": statistics.fmean(self.step_times) if self.step_times else None,

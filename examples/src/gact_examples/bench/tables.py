@@ -220,11 +220,13 @@ def memory_table(plan: Plan, results: dict[str, Any]) -> tuple[list[str], list[C
         cells = [f"{ex.title} (`{config}`)"]
         for level in plan.levels:
             r = _first(runs, level)
+            live = None if r is None else r.get("live_peak_bytes")
             cells.append(
                 "n/a"
                 if r is None
-                else f"+{r['peak_memory_delta_bytes'] * MIB:.0f} MiB "
-                f"(saved {r['stored_bytes'] * MIB:.0f} MiB)"
+                else f"+{r['peak_memory_delta_bytes'] * MIB:.0f} MiB"
+                + ("" if live is None else f", live {live * MIB:.0f} MiB")
+                + f" (saved {r['stored_bytes'] * MIB:.0f} MiB)"
             )
         fp32, l2 = _first(runs, BASELINE), _first(runs, "L2")
         reduction = (
@@ -253,7 +255,10 @@ def memory_table(plan: Plan, results: dict[str, Any]) -> tuple[list[str], list[C
     )
     lines.append(
         f"\nPeak = {method}, minus the resident size just before training (data, model, "
-        "interpreter). Peak memory falls much less than saved activations: weights, gradients, "
+        "interpreter), under the C allocator the run had (glibc's default unless the method "
+        "names a tuning); live = the peak of live tensor bytes in one step after the warm-up "
+        "(the torch profiler's allocation events, independent of the allocator; CPU runs). "
+        "Peak memory falls much less than saved activations: weights, gradients, "
         "optimizer state and the backward pass's working set are not compressed. Only the "
         "configurations here are activation-dominated; the training runs' peaks are in the JSON "
         "records.\n"
