@@ -31,10 +31,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -170,27 +169,31 @@ class _nothing:
 
 
 def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from gact_examples.runs import python_command, run_json
+
     records = []
-    for model in args.models:
-        for method in args.methods:
-            steps = args.steps or STEPS[model]
-            cmd = [sys.executable, __file__, "--worker", model, method, "--data", args.data]
-            cmd += ["--steps", str(steps), "--threads", str(args.threads)]
-            proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=os.environ)
-            if proc.returncode:
-                reason = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-                rec = {"model": model, "method": method, "error": reason[-300:]}
-                print(f"{model:9s} {method:10s} failed: {reason[-300:]}", file=sys.stderr)
-            else:
-                rec = json.loads(proc.stdout.strip().splitlines()[-1])
-                print(
-                    f"{model:9s} {method:10s} rss +{rec['rss_bytes'] / 2**20:5.0f} MiB, live "
-                    f"{rec['live_bytes'] / 2**20:5.0f} MiB, step {1e3 * rec['step_s']:6.0f} ms, "
-                    f"loss {rec['loss']:.3f}",
-                    file=sys.stderr,
-                    flush=True,
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in args.models:
+            for method in args.methods:
+                out = Path(tmp) / "record.json"
+                options = ["--worker", model, method, "--data", args.data, "--json", str(out)]
+                options += ["--steps", str(args.steps or STEPS[model])]
+                rec = run_json(
+                    python_command(Path(__file__), [*options, "--threads", str(args.threads)]), out
                 )
-            records.append(rec)
+                if "error" in rec:
+                    reason = rec["output_tail"].strip().splitlines()[-1:] or [rec["error"]]
+                    rec = {"model": model, "method": method, "error": reason[0][-300:]}
+                    print(f"{model:9s} {method:10s} failed: {rec['error']}", file=sys.stderr)
+                else:
+                    print(
+                        f"{model:9s} {method:10s} rss +{rec['rss_bytes'] / 2**20:5.0f} MiB, live "
+                        f"{rec['live_bytes'] / 2**20:5.0f} MiB, step "
+                        f"{1e3 * rec['step_s']:6.0f} ms, loss {rec['loss']:.3f}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                records.append(rec)
     return records
 
 
@@ -314,7 +317,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     torch.set_num_threads(args.threads)
     if args.worker:
         record = worker(*args.worker, args.steps or STEPS[args.worker[0]], args.data)
-        print(json.dumps(record))
+        if args.json:
+            Path(args.json).write_text(json.dumps(record))
         return [record]
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
