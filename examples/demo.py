@@ -31,9 +31,13 @@ test acc: one seed on {n_test} test images (one image = {point:.2f} points), so 
   about a point are noise.
 saved act./step: what autograd holds for backward in one training step, counted by GACT's hooks,
   metadata included. fp32 is level L0: hooks installed, nothing compressed.
-peak memory: the process's peak resident memory over its pre-training baseline in a 3-step run
-  at batch {mem_batch}. It falls much less than saved activations: weights, gradients, optimizer
-  state and the backward pass's working set are not compressed.
+peak RSS: the process's peak resident memory over its pre-training baseline in a 3-step run at
+  batch {mem_batch}, under the C allocator it runs with: glibc's default malloc keeps freed
+  activation memory in the process, so this barely falls (BENCHMARKS.md, "The memory a user's
+  process feels"; tcmalloc or jemalloc let it fall).
+live peak: the most tensor bytes alive at once in one step of that run (what a GPU's allocator
+  would hold). It falls much less than saved activations: weights, gradients, optimizer state
+  and the backward pass's working set are not compressed.
 fp32/level: how many times less than fp32.
 Speed is not compared: on a shared CPU the step-time noise exceeds GACT's overhead (see
   BENCHMARKS.md). Adaptive levels (L2, L2.2) allocate their bits after the first step without
@@ -120,6 +124,10 @@ def _peak(rec: dict[str, Any]) -> float | None:
     return rec["mem_run"]["peak_memory_delta_bytes"] if rec.get("mem_run") else None
 
 
+def _live(rec: dict[str, Any]) -> float | None:
+    return rec["mem_run"].get("live_peak_bytes") if rec.get("mem_run") else None
+
+
 def _times(base: float | None, value: float | None) -> str:
     return f"{base / value:.1f}x" if base and value else "n/a"
 
@@ -129,9 +137,10 @@ def print_table(args: argparse.Namespace, records: list[dict[str, Any]]) -> None
     ok = [r for r in records if "final_metric" in r]
     base = next((r for r in ok if r["level"] == BASELINE), None)
     base_saved, base_peak = (base["stored_bytes"], _peak(base)) if base else (None, None)
+    base_live = _live(base) if base else None
     header = (
         f"{'level':<6} {'bits':<20} {'test acc':>8} {'saved act./step':>16} {'fp32/level':>10} | "
-        f"{'peak memory':>12} {'fp32/level':>10}"
+        f"{'peak RSS':>10} {'fp32/level':>10} | {'live peak':>10} {'fp32/level':>10}"
     )
     print("\n" + header + "\n" + "-" * len(header))
     for r in records:
@@ -139,11 +148,11 @@ def print_table(args: argparse.Namespace, records: list[dict[str, Any]]) -> None
             print(f"{level_label(r['level']):<6} failed: {r['error']}")
             continue
         saved_ratio = _times(base_saved, r["stored_bytes"])
-        peak_ratio = _times(base_peak, _peak(r))
+        peak_ratio, live_ratio = _times(base_peak, _peak(r)), _times(base_live, _live(r))
         print(
             f"{level_label(r['level']):<6} {bits_label(r['level']):<20} "
             f"{r['final_metric']:>8.2%} {fmt_bytes(r['stored_bytes']):>16} {saved_ratio:>10} | "
-            f"{fmt_bytes(_peak(r)):>12} {peak_ratio:>10}"
+            f"{fmt_bytes(_peak(r)):>10} {peak_ratio:>10} | {fmt_bytes(_live(r)):>10} {live_ratio:>10}"
         )
     n_test = ok[0]["test_images"] if ok else 0
     point = 100 / n_test if n_test else float("nan")
@@ -165,10 +174,10 @@ def draw_chart(
     ok = [r for r in records if "final_metric" in r]
     labels = [chart_label(r["level"]) for r in ok]
     base = next((r for r in ok if r["level"] == BASELINE), None)
-    base_saved, base_peak = (base["stored_bytes"], _peak(base)) if base else (None, None)
+    base_saved, base_live = (base["stored_bytes"], _live(base)) if base else (None, None)
     acc = [r["final_metric"] * 100 for r in ok]
     saved = [r["stored_bytes"] for r in ok]
-    peaks = [_peak(r) or float("nan") for r in ok]
+    peaks = [_live(r) or float("nan") for r in ok]
     panels = [
         Panel("test accuracy (%)", labels, acc, [f"{a:.1f}%" for a in acc], limit=100.0),
         Panel(
@@ -181,17 +190,18 @@ def draw_chart(
     if any(p == p for p in peaks):  # NaN != NaN: at least one memory run succeeded
         panels.append(
             Panel(
-                f"peak memory over baseline (MiB)\n3-step run at batch {args.mem_batch}",
+                f"peak live tensors in a step (MiB)\n3-step run at batch {args.mem_batch}",
                 labels,
                 [p * MIB for p in peaks],
-                _notes(ok, peaks, base_peak),
+                _notes(ok, peaks, base_live),
             )
         )
     footnote = (
         "One seed. fp32 is level L0: GACT's hooks installed, nothing compressed. Notes: accuracy, "
         "or how many times less than fp32. Saved activations: what autograd holds for backward in "
-        "one training step, metadata included. Peak memory falls much less: weights, gradients, "
-        "optimizer state and the backward pass's working set are not compressed."
+        "one training step, metadata included. Live tensors fall much less: weights, gradients, "
+        "optimizer state and the backward pass's working set are not compressed; the process's "
+        "resident peak under glibc's default malloc barely falls at all (see the printed table)."
     )
     bar_chart(path, title, panels, footnote=footnote)
 
