@@ -264,7 +264,10 @@ _FUNCTION_FILE = os.path.join("torch", "autograd", "function.py")
 def _from_checkpoint() -> bool:
     """Whether the save being packed was made by torch's checkpoint.py (NOTE [Checkpointed
     regions]): directly (non-reentrant), or through ``Function.apply`` (reentrant)."""
-    frame = sys._getframe(2)  # _from_checkpoint <- pack <- the code that saved
+    try:
+        frame = sys._getframe(2)  # _from_checkpoint <- pack <- the code that saved
+    except ValueError:  # no Python code made it (a save on a thread of PyTorch's own)
+        return False
     code = frame.f_code
     if code.co_name == "apply" and code.co_filename.endswith(_FUNCTION_FILE):
         frame = frame.f_back
