@@ -29,6 +29,7 @@ the blocks and keeps the blocks' inputs, NOTE [Checkpointed regions] in gact/sav
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
@@ -134,7 +135,7 @@ def worker(model_name: str, method: str, steps: int, data: str) -> dict[str, Any
     baseline = status_bytes("VmRSS")
     times, first = [], 0.0
     live = 0
-    with controller if controller is not None else _nothing():
+    with controller if controller is not None else contextlib.nullcontext():
         for i in range(steps):
             if i == WARMUP:
                 _, live = live_tensor_peak(lambda i=i: train(i))
@@ -158,14 +159,6 @@ def worker(model_name: str, method: str, steps: int, data: str) -> dict[str, Any
         "first_step_s": first,
         **metrics,
     }
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:

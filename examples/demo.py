@@ -120,12 +120,17 @@ def run_level(args: argparse.Namespace, level: str, out: Path, step: str) -> dic
     return rec
 
 
+def _mem(rec: dict[str, Any], field: str) -> float | None:
+    """A figure of the level's memory run (None without one)."""
+    return rec["mem_run"].get(field) if rec.get("mem_run") else None
+
+
 def _peak(rec: dict[str, Any]) -> float | None:
-    return rec["mem_run"]["peak_memory_delta_bytes"] if rec.get("mem_run") else None
+    return _mem(rec, "peak_memory_delta_bytes")
 
 
 def _live(rec: dict[str, Any]) -> float | None:
-    return rec["mem_run"].get("live_peak_bytes") if rec.get("mem_run") else None
+    return _mem(rec, "live_peak_bytes")
 
 
 def _times(base: float | None, value: float | None) -> str:

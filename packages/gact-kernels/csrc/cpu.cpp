@@ -376,6 +376,13 @@ struct Bucketize {
 
 }  // namespace
 
+namespace {
+// Groups the quantize kernels flagged for lossless storage (NaN scale).
+int64_t lossless_groups(const float* scale, int64_t groups) {
+  return std::count_if(scale, scale + groups, [](float s) { return std::isnan(s); });
+}
+}  // namespace
+
 int64_t quantize_cpu(const void* x, int dtype, int64_t n, int64_t group_size, int bits,
                      uint64_t seed, bool zero_exact, uint8_t* out, float* lo, float* scale,
                      int threads) {
@@ -384,8 +391,7 @@ int64_t quantize_cpu(const void* x, int dtype, int64_t n, int64_t group_size, in
   if (n <= 0) return 0;
   dispatch<Quantize>(dtype, bits, x, n, group_size, quantize_key(seed), zero_exact, out, lo,
                      scale, threads, Runs{});
-  const int64_t groups = (n + group_size - 1) / group_size;
-  return std::count_if(scale, scale + groups, [](float s) { return std::isnan(s); });
+  return lossless_groups(scale, (n + group_size - 1) / group_size);
 }
 
 namespace {
@@ -409,7 +415,7 @@ int64_t quantize_runs_cpu(const void* x, int dtype, int64_t outer, int64_t chann
   const int64_t n = channels * run;
   dispatch<Quantize>(dtype, bits, x, n, group_size, quantize_key(seed), zero_exact, out, lo,
                      scale, threads, runs);
-  return std::count_if(scale, scale + n / group_size, [](float s) { return std::isnan(s); });
+  return lossless_groups(scale, n / group_size);
 }
 
 void dequantize_cpu(const uint8_t* data, const float* lo, const float* scale, int64_t n,

@@ -1,9 +1,9 @@
 """gact-kernels: compression primitives for activation-compressed training (GACT).
 
 Per-group stochastic-rounding quantisation of float tensors to 1-8 bits, lossless 1-bit mask
-packing, lossless integer packing and uint8 bucket codes, on CPU (OpenMP) and CUDA. Every compressed container is
-a :class:`Compressed`; :func:`decompress` restores any of them with its shape, strides, dtype
-and device. The compiled code links no torch; torch tensors are handed to it by address.
+packing, lossless integer packing and uint8 bucket codes, on CPU (OpenMP) and CUDA. Every
+compressed container is a :class:`Compressed`; :func:`decompress` restores any of them with its
+shape, strides, dtype and device. The compiled code links no torch; torch tensors are handed to it by address.
 
 Example:
     >>> import torch, gact_kernels

@@ -19,8 +19,9 @@ C = TypeVar("C", bound="Compressed")
 # functions of this package build theirs with ``_built``, which skips that check: they
 # allocate every buffer to the shape the metadata implies, so the check could only re-derive
 # their own arithmetic, and it costs a few microseconds per call (a transformer step makes
-# hundreds). tests/test_containers.py validates every container they return. The checks read metadata only (dtype, shape, device, contiguity), never tensor values:
-# a container may be built around buffers whose asynchronous copy is still in flight. The
+# hundreds); tests/test_containers.py validates every container they return. The checks read
+# metadata only (dtype, shape, device, contiguity), never tensor values: a container may be
+# built around buffers whose asynchronous copy is still in flight. The
 # buffers themselves stay mutable tensors, so the restoring function re-checks their shapes
 # before any address reaches the kernels, and the kernels never read or write out of bounds
 # whatever the values (lossless group indices are clamped, integer widths bounded).
