@@ -334,3 +334,16 @@ def test_two_valued_tensors_get_1_exact_bit_and_free_the_budget(
     others = [line.split() for line in controller.report().splitlines()[2:] if "#" in line]
     assert all(r[4] != "1e" for r in others if r[0] != key)
     assert "e: exact" in controller.report()
+
+
+@pytest.mark.parametrize("level, bits", [("L2", 4), ("L2.1", 3), ("L2.2", 2)])
+def test_the_first_step_stores_at_the_average_rounded_up(level: str, bits: int) -> None:
+    """Before the first allocation, an adaptive level stores every tensor at its average net of
+    metadata rounded up (NOTE [Prior allocation]): rounded down, L2.2's first step stored
+    everything at 1 bit, and its gradient came out 10^2-10^6 times fp32's on the model matrix's
+    transformers (BENCHMARKS.md, "Stability")."""
+    model, x, y = make_case("mlp")
+    with Controller(model, GactConfig.from_level(level)) as controller:
+        make_closure(model, x, y)()
+        widths = {r.bits for r in controller.ledger.current.values() if r.kind is Kind.QUANTIZED}
+    assert widths == {bits}

@@ -39,7 +39,8 @@ class Items:
             than ``metadata_bits``), else ``metadata_bits`` (a derivative table's codes carry a
             9-byte group header, not 8: NOTE [Derivative tables] in pointwise.py).
         lower: the smallest width of each item: 2 on the zero-exact grid (NOTE [Exact
-            decisions] in decisions.py), else 1.
+            decisions] in decisions.py), the saving call's ``min_bits`` (6 for fused attention:
+            NOTE [Attention and row normalisations]), else 1.
         pinned: 1 for two-valued items (NOTE [Two-valued tensors]), else 0 (free).
         fixed_bytes: bytes the step stores outside the items (kept tensors, masks, packs).
     """
@@ -64,7 +65,7 @@ class Items:
                 (metadata_bits if r.metadata_bits is None else r.metadata_bits)
                 + r.mask_bits
                 + (metadata_bits / 8 if r.table else 0.0),
-                2 if r.zero_exact else 1,
+                max(2 if r.zero_exact else 1, r.min_bits),
                 1 if two_valued.get(r.key) and not r.zero_exact else 0,
             )
             for r in sites.values()
@@ -106,6 +107,11 @@ class Items:
 # "Why adaptive bits lost"), that allocation is 2-70x better than uniform widths at the same
 # budget and better than an allocation probed at initialisation, whose sensitivities are not
 # those of training. Probing adaptations follow the schedule, from ``adapt_first_gap`` on.
+# The first step itself, before sizes are known, stores every tensor at the level's average net
+# of metadata rounded up (``BitPlan.default_bits``: 4 bits for L2, 2 for L2.2), a step over the
+# budget by less than a bit per element. Rounded down, L2.2's first step stored everything at 1
+# bit, and that one gradient, 10^2-10^6 times fp32's on the model matrix's ViT and LLaMA-style
+# decoder, inflated AdamW's second moments for hundreds of steps (BENCHMARKS.md, "Stability").
 
 
 class Adapter:
@@ -245,8 +251,9 @@ class Adapter:
         if not self._warned_budget:
             self._warned_budget = True
             warnings.warn(
-                f"{problem}; using the smallest widths (1 bit, 2 for ReLU outputs, plus metadata "
-                "and exact decision masks). Choose a level with more bits or a larger budget.",
+                f"{problem}; using the smallest widths (1 bit, 2 for ReLU outputs, 6 for the "
+                "queries and keys of fused attention, plus metadata and exact decision masks). Choose a "
+                "level with more bits or a larger budget.",
                 GactWarning,
                 stacklevel=4,
             )

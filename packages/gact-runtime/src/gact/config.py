@@ -92,10 +92,12 @@ class GactConfig:
             in pointwise.py); ``False`` always quantizes them.
         channel_groups: quantize tensors of rank 4 or more (NCHW, NCDHW, and their
             channels-last layouts) with groups that never span two channels of dim 1
-            (NOTE [channel groups] in gact_kernels/_layout.py): a channel's precision then
-            never depends on the range of another. ``False`` groups every tensor in memory
-            order, as the original GACT did (it diverged on a ResNet-18 at 32x32, whose last
-            stage has 1x1 maps: BENCHMARKS.md, "Stability").
+            (NOTE [channel groups] in gact_kernels/_layout.py), and the inputs of LayerNorm and
+            RMSNorm with groups that never span two rows (NOTE [Attention and row
+            normalisations] in decisions.py): a channel's or row's precision then never depends
+            on the range of another. ``False`` groups every tensor in memory order, as the
+            original GACT did (it diverged on a ResNet-18 at 32x32, whose last stage has 1x1
+            maps: BENCHMARKS.md, "Stability").
         compress_checkpoint_inputs: also compress the tensors ``torch.utils.checkpoint`` keeps
             for its regions (their inputs). ``False`` (the default) keeps them as they are, so
             the region's recomputation, and the gradient it gives, stay exact; ``True`` saves

@@ -67,6 +67,8 @@ class SiteRecord:
     # bits per element beyond the codes in the last quantized save (group headers, padding of
     # channel groups); None until the key is quantized
     metadata_bits: float | None = None
+    # the smallest width the saving call allows (NOTE [Attention and row normalisations])
+    min_bits: int = 0
 
 
 @dataclass
@@ -89,6 +91,7 @@ class Ledger:
         zero_exact: bool = False,
         table: bool = False,
         metadata_bits: float | None = None,
+        min_bits: int = 0,
     ) -> None:
         """Count one save of ``tensor`` at ``key``; ``stored_bytes`` is what GACT holds for
         it, ``None`` when it holds the tensor itself."""
@@ -103,6 +106,7 @@ class Ledger:
             self.current[key] = rec
         rec.shape = tuple(tensor.shape)
         rec.zero_exact = zero_exact
+        rec.min_bits = min_bits
         rec.table = rec.table or table
         if metadata_bits is not None:
             rec.metadata_bits = metadata_bits

@@ -74,12 +74,13 @@ class BitPlan:
 
     @property
     def default_bits(self) -> int:
-        """Bits of keys not yet allocated: the level's width, or the budget net of metadata."""
+        """Bits of keys not yet allocated: the level's width, or its average net of metadata
+        rounded up (NOTE [Prior allocation] in adapt.py)."""
         cfg = self.config
         if cfg.bits is not None:
             return cfg.bits
         assert cfg.avg_bits is not None
-        return max(1, min(MAX_BITS, math.floor(cfg.avg_bits - cfg.overhead_bits)))
+        return max(1, min(MAX_BITS, math.ceil(cfg.avg_bits - cfg.overhead_bits)))
 
     def probes(self, key: str) -> bool:
         """Whether a running probe names ``key`` (it is then compressed whatever its size, so a

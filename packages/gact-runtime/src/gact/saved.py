@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from . import decisions, pointwise
+from .config import GactConfig
 from .decisions import DECISION_NODES, Decision, DecisionSpec
 from .errors import GactError, GactWarning
 from .ledger import Kind, Ledger, occupied_bytes
@@ -129,7 +130,9 @@ class SavedCompressed(Saved):
     in decisions.py), or the derivative table its codes index (NOTE [Derivative tables] in
     pointwise.py)."""
 
-    __slots__ = ("decision", "expand_to", "hooks", "payload", "table", "ticket", "witness")
+    __slots__ = (
+        "decision", "expand_to", "hooks", "payload", "table", "ticket", "view_to", "witness",
+    )  # fmt: skip
 
     def __init__(
         self, tensor: torch.Tensor, key: str, payload: gact_kernels.Compressed, hooks: SaveHooks
@@ -137,6 +140,7 @@ class SavedCompressed(Saved):
         super().__init__(tensor, key)
         self.witness = _version_witness(tensor)
         self.expand_to: torch.Size | None = None  # the payload is an expanded view's base
+        self.view_to: torch.Size | None = None  # the payload holds the tensor's rows (2-D)
         self.hooks = hooks
         self.decision: Decision | None = None
         self.table: pointwise.DerivativeTable | None = None
@@ -188,6 +192,8 @@ class SavedCompressed(Saved):
             return self.table.values(values, self.witness.dtype)
         if self.expand_to is not None:
             return values.expand(self.expand_to)  # never a decision input (see _treatment)
+        if self.view_to is not None:
+            values = values.view(self.view_to)
         if node is None or not isinstance(payload, gact_kernels.QuantizedTensor):
             return values
         name = type(node).__name__
@@ -438,6 +444,8 @@ class SaveHooks:
     ) -> Saved:
         group_size = self.plan.config.group_size
         zero_exact = False
+        floor = 0  # the saving call's smallest width for it
+        view_to: torch.Size | None = None
         table: pointwise.DerivativeTable | None = None
         # a GELU/SiLU input: the allocation counts a table's group header for it (see Items.of)
         candidate = spec is not None and spec.derivative_id == id(tensor)
@@ -454,6 +462,8 @@ class SaveHooks:
             zero_exact = spec is not None and spec.zero_exact
             if zero_exact:  # 2 zero-exact bits, not 1 bit and a mask (NOTE [Exact decisions])
                 bits = max(bits, 2)
+            floor = 0 if spec is None else spec.bits_floor(tensor)
+            bits = max(bits, floor)  # see NOTE [Attention and row normalisations]
             plan = self.plan
             if plan.config.spec.adaptive and key not in plan.two_valued:
                 # first sight of the key: see NOTE [Two-valued tensors] in adapt.py
@@ -463,15 +473,20 @@ class SaveHooks:
                 payload = gact_kernels.pack_ints(table.codes(data), group_size=group_size)
             else:
                 seed = self.plan.seed_for(key, self.ledger.occurrences(key))
+                rows = _row_length(spec, tensor, data, plan.config)
                 channels = plan.config.channel_groups and data.dim() >= 4
                 payload = gact_kernels.quantize(
-                    data, bits, group_size=group_size, seed=seed, zero_exact=zero_exact,
-                    channel_dim=1 if channels else None,
+                    data if rows is None else data.view(-1, rows), bits, group_size=group_size,
+                    seed=seed, zero_exact=zero_exact,
+                    channel_dim=0 if rows is not None else 1 if channels else None,
                 )  # fmt: skip
+                if rows is not None:
+                    view_to = tensor.shape
             kind = Kind.QUANTIZED
         saved = SavedCompressed(tensor, key, payload, self)
         if compact is not None:
             saved.expand_to = tensor.shape
+        saved.view_to = view_to
         if table is not None:
             saved.table = table  # not in the live table: never shared (see pack_own)
         else:
@@ -481,6 +496,7 @@ class SaveHooks:
         self.ledger.record(
             key, tensor, kind, bits, nbytes, zero_exact=zero_exact, table=candidate,
             metadata_bits=_metadata_bits(payload, nbytes) if quantized else None,
+            min_bits=floor if quantized else 0,
         )  # fmt: skip
         if spec is not None and spec.predicates and kind is Kind.QUANTIZED:
             self._decide(saved, tensor, spec)
@@ -541,6 +557,24 @@ def _metadata_bits(payload: gact_kernels.QuantizedTensor, nbytes: int) -> float:
     numel, stored = payload.numel, payload.stored_numel
     header = nbytes - (stored * payload.bits + 7) // 8
     return 8 * (header + stored - numel) / max(numel, 1)
+
+
+def _row_length(
+    spec: DecisionSpec | None, tensor: torch.Tensor, data: torch.Tensor, config: GactConfig
+) -> int | None:
+    """Elements per row when ``tensor`` is quantized in groups that never span two rows (NOTE
+    [Attention and row normalisations] in decisions.py), else ``None``."""
+    if (
+        spec is None
+        or spec.rows_id != id(tensor)
+        or not config.channel_groups
+        or spec.row_length < config.group_size // 4
+        or data.shape != tensor.shape  # an expanded view's base: grouped as it is
+        or not data.is_contiguous()
+        or data.numel() % spec.row_length
+    ):
+        return None
+    return spec.row_length
 
 
 def _two_valued(data: torch.Tensor) -> bool:
