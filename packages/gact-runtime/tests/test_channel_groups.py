@@ -29,12 +29,17 @@ def _model() -> nn.Sequential:
     return nn.Sequential(conv, nn.BatchNorm2d(CHANNELS), nn.ReLU())
 
 
-def _bn_weight_grads(config: GactConfig | None, seeds: range) -> torch.Tensor:
-    """BatchNorm weight gradients, one row per rounding seed (one row for fp32)."""
-    model = _model()
+def _norm_weight_grads(
+    model: nn.Module,
+    norm: nn.Module,
+    shapes: tuple[tuple[int, ...], tuple[int, ...]],
+    config: GactConfig | None,
+    seeds: range,
+) -> torch.Tensor:
+    """``norm``'s weight gradients, one row per rounding seed (one row for fp32), for an input
+    and a loss projection (a loss that depends on the input) of ``shapes``."""
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(64, 32, 1, 1, generator=gen)
-    project = torch.randn(64, CHANNELS, 1, 1, generator=gen)  # a loss that depends on x
+    x, project = (torch.randn(*shape, generator=gen) for shape in shapes)
     rows = []
     for seed in seeds:
         model.zero_grad()
@@ -43,8 +48,14 @@ def _bn_weight_grads(config: GactConfig | None, seeds: range) -> torch.Tensor:
         else:
             with Controller(model, config.replace(seed=seed)):
                 (model(x) * project).sum().backward()
-        rows.append(model[1].weight.grad.clone())
+        rows.append(norm.weight.grad.clone())
     return torch.stack(rows)
+
+
+def _bn_weight_grads(config: GactConfig | None, seeds: range) -> torch.Tensor:
+    model = _model()
+    shapes = ((64, 32, 1, 1), (64, CHANNELS, 1, 1))
+    return _norm_weight_grads(model, model[1], shapes, config, seeds)
 
 
 @pytest.mark.parametrize("level", ["L1", "L1.2"])
@@ -111,18 +122,7 @@ class TokenNorm(nn.Module):
 
 def _ln_weight_grads(config: GactConfig | None, seeds: range) -> torch.Tensor:
     model = TokenNorm()
-    gen = torch.Generator().manual_seed(1)
-    x, project = torch.randn(64, 16, 32, generator=gen), torch.randn(64, 16, 64, generator=gen)
-    rows = []
-    for seed in seeds:
-        model.zero_grad()
-        if config is None:
-            (model(x) * project).sum().backward()
-        else:
-            with Controller(model, config.replace(seed=seed)):
-                (model(x) * project).sum().backward()
-        rows.append(model.norm.weight.grad.clone())
-    return torch.stack(rows)
+    return _norm_weight_grads(model, model.norm, ((64, 16, 32), (64, 16, 64)), config, seeds)
 
 
 @pytest.mark.parametrize("level", ["L1", "L1.2"])

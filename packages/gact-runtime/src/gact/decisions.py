@@ -79,8 +79,9 @@ __all__ = ["DECISION_NODES", "Decision", "DecisionMode", "DecisionSpec", "curren
 #   standard deviations. The input is then quantized in groups that never span two rows
 #   (``rows_id``/``row_length``, when rows have at least a quarter of a group, so metadata stays
 #   at most 1 bit per element), and the per-row mean and reciprocal spread are kept. On the
-#   model matrix's ViT after 300 steps this took the class token's rounding variance from 5.4x
-#   its minibatch variance to 0.07x.
+#   model matrix's ViT, 95% of the class token's rounding variance after 300 steps (5.4x its
+#   minibatch variance) came from the first LayerNorm's input; with row groups no layer's
+#   rounding variance exceeds 9.3% of its minibatch variance (BENCHMARKS.md, "Stability").
 
 
 # Autograd nodes whose backward branches on a saved tensor (class names without the trailing
