@@ -64,14 +64,14 @@ __all__ = ["DECISION_NODES", "Decision", "DecisionMode", "DecisionSpec", "curren
 #   query/key gradients came out 1e10 times too large (tests/test_decisions.py). The call's spec
 #   gives the saves of ``q`` and ``k`` at least ``min_bits`` and keeps the saves of one value per
 #   query row (the log-sum-exp, ``exact_numel``) as they are. 6 bits: a score's error is then
-#   a fifth of its error at 4 bits, its variance, and exp's bias with it, 1/18; on the LLaMA-style
-#   decoder of BENCHMARKS.md, "Stability", L1 ended as close to fp32 with 6 as with 8 (+0.4%;
-#   +2.3% without the floor), while at the adaptive L2, whose budget pays for the floor, 8 bits
-#   left the other tensors 3 bits and ended +5.2% against +1.2% with 6 (5: +1.6%). ``v`` and the output enter the
-#   backward linearly (their rounding stays unbiased) and are compressed like any tensor, though
-#   their error is amplified by the keys' shared mean (it breaks the cancellation, rows of
-#   softmax's gradient summing to 0, that keeps the query gradient blind to that mean): the
-#   sensitivities of the adaptive levels see it. The math fallback, which saves scaled copies
+#   a fifth of its error at 4 bits, its variance, and exp's bias with it, 1/18. On the
+#   LLaMA-style decoder of BENCHMARKS.md, "Stability" (seed 0), L1 ended as close to fp32 with 6
+#   as with 8 (+0.4%; +2.3% without the floor, 3 seeds), while the adaptive L2, whose budget
+#   pays for the floor, ended +5.2% with 8 (the other tensors left 3 bits), +1.2% with 6 and
+#   +1.6% with 5. ``v`` and the output enter the backward linearly (their rounding stays
+#   unbiased) and are compressed like any tensor, though the keys' shared mean amplifies their
+#   error (it breaks the cancellation, rows of softmax's gradient summing to 0, that keeps the
+#   query gradient blind to that mean): the sensitivities of the adaptive levels see it. The math fallback, which saves scaled copies
 #   and the attention weights (read linearly or through softmax), gets no floor.
 # - LayerNorm and RMSNorm divide each row by its own spread, as BatchNorm does each channel
 #   (NOTE [channel groups] in gact_kernels/_layout.py): a group spanning rows of different scale
@@ -347,7 +347,8 @@ def _rules() -> dict[Callable[..., Any], _Rule]:
     add(_gelu, F.gelu)
     add(_silu, F.silu)
     add(_attention, F.scaled_dot_product_attention)
-    add(_row_norm, F.layer_norm, getattr(F, "rms_norm", None))
+    add(_row_norm, F.layer_norm, torch.layer_norm)
+    add(_row_norm, getattr(F, "rms_norm", None), getattr(torch, "rms_norm", None))
     return table
 
 
