@@ -252,7 +252,7 @@ def test_divisors_are_kept_exact(spelling: str) -> None:
 
 class Attention(nn.Module):
     """Causal multi-head attention through ``F.scaled_dot_product_attention`` (4 heads of 16),
-    with sharp attention (scores of standard deviation ~8) and keys sharing a large mean, as
+    with sharp attention (scores of standard deviation ~5) and keys sharing a large mean, as
     trained attention layers have."""
 
     def __init__(self) -> None:
