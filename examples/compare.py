@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gact_examples.runs import publish
 from torch import nn
 
 MODELS = ("resnet18", "gpt2", "gcn", "encoder6")
@@ -326,11 +327,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     if "fp32" not in args.methods:
         args.methods.insert(0, "fp32")
     records = run_all(args)
-    print(table(records))
-    if args.json:
-        Path(args.json).write_text(json.dumps(records, indent=1))
-    if args.plot:
-        plot(records, args.plot)
+    publish(records, table, plot, json_path=args.json, plot_path=args.plot)
     return records
 
 

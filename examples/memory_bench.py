@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from gact_examples.memory import status_bytes
+from gact_examples.runs import publish
 from gact_examples.workloads import MODELS, workload
 
 LEVELS = ("L0", "L1", "L2", "L1.2", "L2.2")
@@ -217,11 +218,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     if unknown:
         raise ValueError(f"unknown model(s) {sorted(unknown)}; choose from {', '.join(MODELS)}")
     records = run_all(args)
-    print(table(records))
-    if args.json:
-        Path(args.json).write_text(json.dumps(records, indent=1))
-    if args.plot:
-        plot(records, args.plot)
+    publish(records, table, plot, json_path=args.json, plot_path=args.plot)
     return records
 
 

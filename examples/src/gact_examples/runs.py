@@ -14,7 +14,7 @@ import shlex
 import statistics
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ __all__ = [
     "fmt_mean_std",
     "machine_info",
     "mean_std",
+    "publish",
     "python_command",
     "run_json",
 ]
@@ -75,6 +76,23 @@ def run_json(
     if show_stderr:
         tail += "\n(its stderr, with any traceback, was printed above)"
     return {"error": f"exit code {rc}", "output_tail": tail}
+
+
+def publish(
+    records: list[dict[str, Any]],
+    table: Callable[[list[dict[str, Any]]], str],
+    plot: Callable[[list[dict[str, Any]], str], None],
+    *,
+    json_path: str | None,
+    plot_path: str | None,
+) -> None:
+    """Print a benchmark's ``table`` of ``records``; write them as JSON to ``json_path`` and
+    ``plot`` them to ``plot_path``, each when given."""
+    print(table(records))
+    if json_path:
+        Path(json_path).write_text(json.dumps(records, indent=1))
+    if plot_path:
+        plot(records, plot_path)
 
 
 def mean_std(values: Sequence[float | None]) -> tuple[float, float, int]:
