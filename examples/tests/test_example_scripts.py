@@ -299,6 +299,39 @@ def test_speed_bench(data_root, tmp_path, script):
         script("speed_bench.py").main(["--data", str(data_root), "--models", "nomodel"])
 
 
+def test_speed_bench_compiled(data_root, script):
+    """speed_bench.py --compile: every copy compiled, fp32's too; GACT's sites compressed."""
+    argv = ["--data", str(data_root), "--models", "mnist", "--levels", "L1", "--rounds", "1"]
+    (res,) = script("speed_bench.py").main([*argv, "--steps", "1", "--compile", "aot_eager"])
+    assert res["backend"] == "aot_eager" and list(res["levels"]) == ["fp32", "L1"]
+    assert res["levels"]["L1"]["ratio_median"] > 0
+
+
+def test_compile_bench(data_root, tmp_path, script):
+    """compile_bench.py: eager and compiled runs from the same weights on the same batches; the
+    loss against the eager run of the level, the live peak against the fp32 run of the backend."""
+    bench = script("compile_bench.py")
+    out = tmp_path / "cb.json"
+    argv = ["--data", str(data_root), "--models", "mnist", "--steps", "3", "--tail", "2"]
+    runs = "eager:L2,aot_eager:L2,aot_eager:fp32"
+    records = bench.main([*argv, "--runs", runs, "--peak-step", "1", "--json", str(out)])
+    assert [r["run"] for r in records] == ["eager L2", "aot_eager L2", "aot_eager fp32"]
+    eager, compiled, fp32 = records
+    assert all(len(r["losses"]) == 3 and r["peak_bytes"] > 0 for r in records)
+    assert eager["graphs"] == 0 and compiled["graphs"] >= 1 and fp32["graphs"] >= 1
+    assert compiled["compiled_compressed"] > 0 and compiled["ratio"] > 3
+    assert eager["compiled_compressed"] == 0 and "ratio" not in fp32
+    assert compiled["peak_bytes"] < fp32["peak_bytes"]
+    assert json.loads(out.read_text()) == records
+    table = bench.table(records, 2).splitlines()
+    assert table[2].startswith("| mnist | eager L2 |") and "+0.00%" in table[2]
+    assert table[4].startswith("| mnist | aot_eager fp32 |") and "| 1.00x |" in table[4]
+    with pytest.raises(ValueError, match=r"unknown model\(s\) \['nomodel'\]"):
+        bench.main(["--data", str(data_root), "--models", "nomodel"])
+    with pytest.raises(ValueError, match="BACKEND:LEVEL"):
+        bench.main(["--data", str(data_root), "--models", "mnist", "--runs", "L1"])
+
+
 def test_compare(data_root, tmp_path, script):
     """compare.py: one process per method, both peaks, the table with its Pareto marks."""
     compare = script("compare.py")

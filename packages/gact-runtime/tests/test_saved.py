@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import gact_kernels
 import pytest
@@ -21,14 +22,14 @@ class Spy:
 
     def __init__(self, controller: Controller, monkeypatch: pytest.MonkeyPatch) -> None:
         self.seen: list[tuple[torch.Tensor, object]] = []
-        pack = controller.hooks.pack
+        pack = controller.hooks.pack_own
 
-        def spy(t: torch.Tensor) -> object:
-            out = pack(t)
+        def spy(t: torch.Tensor, **kwargs: Any) -> object:
+            out = pack(t, **kwargs)
             self.seen.append((t, out))
             return out
 
-        monkeypatch.setattr(controller.hooks, "pack", spy)
+        monkeypatch.setattr(controller.hooks, "pack_own", spy)
 
 
 def _kept(out: object, t: torch.Tensor) -> bool:

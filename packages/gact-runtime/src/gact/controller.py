@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .adapt import Adapter
+from .compiled_sites import CompiledSite
 from .config import GactConfig, get_config
 from .errors import ClosureError, GactWarning, HookStateError
 from .ledger import Ledger
@@ -112,6 +113,7 @@ class Controller:
             self.plan, self.tracker, self.parameter_filter, self.ledger, self._make_swapper()
         )
         self.hooks.on_compiled = self._on_compiled
+        self.hooks.on_unknown_use = self._on_unknown_use
         self.adapter = Adapter(model, self.plan, self.hooks)
         self._context: torch.autograd.graph.saved_tensors_hooks | None = None
         self._thread: int | None = None
@@ -180,7 +182,7 @@ class Controller:
                 )
         self.parameter_filter.refresh()
         self.tracker.attach()
-        context = torch.autograd.graph.saved_tensors_hooks(self.hooks.pack, self.hooks.unpack)
+        context = torch.autograd.graph.saved_tensors_hooks(*self.hooks.modules)
         context.__enter__()
         self._context = context
         self._thread = threading.get_ident()
@@ -198,7 +200,7 @@ class Controller:
                 "(saved-tensor hooks are thread-local)"
             )
         top = _top_saved_tensors_hooks()
-        if top is not None and top[0] != self.hooks.pack:
+        if top is not None and top[0] is not self.hooks.modules[0]:
             raise HookStateError(
                 "another saved_tensors_hooks context was entered after install_hook() and is "
                 "still active; exit it before uninstall_hook()"
@@ -242,7 +244,7 @@ class Controller:
 
     def _on_root_forward(self) -> None:
         self.parameter_filter.refresh()  # follows model.to(...)
-        self.hooks.live.clear()
+        self.hooks.forward_started()
         if (
             self.installed
             and torch.is_grad_enabled()
@@ -267,11 +269,18 @@ class Controller:
     def _on_compiled(self) -> None:
         self._warn_once(
             "compile",
-            "the model's forward is compiled (torch.compile): GACT keeps the tensors saved by "
-            "compiled graphs as they are, because the compiled backward unpacks all of them at "
-            "once when it starts (pytorch#148222), so compressing them would not lower the peak "
-            "memory. To save activation memory with GACT, run the model (or its memory-heavy "
-            "blocks) without torch.compile",
+            "the model's forward is compiled (torch.compile) and eager code between its "
+            "graphs (at graph breaks) saved tensors: GACT keeps those as they are, because "
+            "it cannot see the decisions their backward takes. The compiled graphs' own saves "
+            "are compressed. torch._dynamo.explain(model)(x) lists the graph breaks",
+        )
+
+    def _on_unknown_use(self, site: CompiledSite) -> None:
+        self._warn_once(
+            "compile-use",
+            f"a compiled graph saves {site.key!r}, which its backward reads in a way GACT does "
+            f"not know ({site.keep}), so GACT keeps it as it is; report() lists every compiled "
+            "save kept and why. Please report the operator to GACT",
         )
 
     # ----------------------------------------------------------------- training
@@ -426,4 +435,9 @@ class Controller:
         standard error, saves, bytes and stored bytes, then the totals and a legend of the
         columns."""
         exact = {key for key, two_valued in self.plan.two_valued.items() if two_valued}
-        return self.ledger.table(self.plan.sensitivity, self.plan.stderr, exact)
+        table = self.ledger.table(self.plan.sensitivity, self.plan.stderr, exact)
+        kept = [s for s in self.hooks.compiled_sites.values() if s.keep is not None]
+        if kept:
+            lines = [f"  {site.key}: {site.keep}" for site in sorted(kept, key=lambda s: s.key)]
+            table += "\nkept in compiled graphs (key: why):\n" + "\n".join(lines)
+        return table

@@ -411,7 +411,9 @@ class Decision:
                 self.predicates.append((strict, t))
                 self.masks.append(mask)
                 added += mask.nbytes
-        _created().append(self)
+        created = getattr(_local, "created", None)
+        if created is not None:  # a DecisionMode call is running: it names the consumers
+            created.append(self)
         return added
 
     def project(self, values: torch.Tensor) -> torch.Tensor:
@@ -430,13 +432,6 @@ class Decision:
             values.masked_fill_(wrong & outcome, inward[1])
             values.masked_fill_(wrong.logical_and_(outcome.logical_not_()), inward[0])
         return values
-
-
-def _created() -> list[Decision]:
-    created = getattr(_local, "created", None)
-    if created is None:
-        created = _local.created = []
-    return created
 
 
 def representable(spec: DecisionSpec, dtype: torch.dtype) -> bool:

@@ -14,7 +14,8 @@ import gact_kernels
 import torch
 from torch import nn
 
-from . import decisions, pointwise
+from . import compiled, decisions, pointwise
+from .compiled_sites import CompiledSite, kept_sites
 from .config import GactConfig
 from .decisions import DECISION_NODES, Decision, DecisionSpec
 from .errors import GactError, GactWarning
@@ -326,6 +327,14 @@ class SaveHooks:
         self.unpacked = 0  # unpack calls so far: tells whether a closure ran a backward
         self.probing = False  # a ProbeSession is running its probes
         self.on_compiled: Callable[[], None] = lambda: None  # set by the Controller
+        self.on_unknown_use: Callable[[CompiledSite], None] = lambda site: None
+        # what install_hook() pushes: modules torch.compile can trace (NOTE [Compiled saves])
+        self.modules = (
+            compiled.SaveHookModule(self.pack, compiled.pack_on_thread),
+            compiled.SaveHookModule(self.unpack, compiled.unpack_on_thread),
+        )
+        self.compiled_sites: dict[str, CompiledSite] = {}  # key -> last traced site
+        self._graphs_counted: set[tuple[int, int]] = set()  # (graph, forward) in the ledger
         self._warned_missed: set[str] = set()
         # key -> (bits, plan step, verdict) of the last table judgment (NOTE in pointwise.py)
         self._table_verdicts: dict[str, tuple[int, int, bool]] = {}
@@ -339,15 +348,68 @@ class SaveHooks:
                 best, tick = hooks, entered
         return best
 
-    def pack(self, tensor: torch.Tensor) -> Saved:
+    def pack(self, tensor: torch.Tensor) -> Saved | object:
+        context = compiled.tracing_context()
+        if context is not None:  # AOTAutograd traces a compiled graph's save
+            owner = self.owner()
+            return tensor if owner is None else compiled.pack_traced(owner, tensor, context)
         owner = self.owner()
         if owner is None:
             return self.pack_own(tensor, inside=False)
         return owner.pack_own(tensor, inside=True, region_input=_from_checkpoint())
 
-    def unpack(self, saved: Saved) -> torch.Tensor:
+    def unpack(self, saved: Saved | object) -> torch.Tensor:
+        if not isinstance(saved, Saved):  # AOTAutograd traces a compiled graph's unpack
+            return compiled.unpack_traced(saved, compiled.tracing_context())
         self.unpacked += 1
         return saved.unpack()
+
+    def forward_started(self) -> None:
+        """The controlled model's root forward starts: forget the last forward's saves."""
+        self.live.clear()
+        self._graphs_counted.clear()
+
+    def traced(self, site: CompiledSite) -> None:
+        """A compiled graph's save was traced with ``site``'s decision."""
+        self.compiled_sites[site.key] = site
+        if site.unknown_use:
+            self.on_unknown_use(site)
+
+    def pack_site(self, tensor: torch.Tensor, site: CompiledSite) -> Saved:
+        """Pack, when a compiled graph runs, a save its tracing gave to ``site`` to compress
+        (NOTE [Compiled saves] in compiled.py): as ``pack_own`` would, with the decisions taken
+        from the compiled backward."""
+        graph = (site.graph, self.tracker.generation)
+        if graph not in self._graphs_counted:  # its kept saves, once per forward (not seen)
+            self._graphs_counted.add(graph)
+            for kept in kept_sites(site.graph):
+                self.ledger.record(kept.key, kept.like, Kind.KEPT, None, None)
+        key = site.key
+        spec = DecisionSpec(
+            site.predicates,
+            zero_exact=site.zero_exact,
+            min_bits=site.min_bits,
+            precise_ids=frozenset({id(tensor)}),
+            rows_id=id(tensor) if site.row_length else None,
+            row_length=site.row_length,
+        )
+        compresses = self.plan.config.spec.compresses and tensor.layout is torch.strided
+        compact = _compact(tensor) if compresses else None
+        kind = self._treatment(key, tensor, compact, spec, inside=True)
+        if kind is not None:
+            bits = tensor.element_size() * 8 if kind is Kind.KEPT and self._full(key) else None
+            self.ledger.record(key, tensor, kind, bits, None)
+            # the compiled code reuses the buffer once its save is packed: hold a copy
+            return SavedKept(tensor.clone(), key)
+        saved = self._compress(key, tensor, compact, spec)
+        assert isinstance(saved, SavedCompressed)
+        # The compiled code reuses the buffer, and bumps its version, once its save is packed;
+        # nothing else can write to a compiled graph's intermediate: no version to check.
+        saved.witness = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        saved.version = 0
+        if saved.decision is not None:
+            saved.decision.consumers.add(compiled.COMPILED_NODE)
+        return saved
 
     # NOTE [Per-save cost]
     # A transformer step makes hundreds of saves, and on a GPU a step takes milliseconds, so
@@ -376,6 +438,9 @@ class SaveHooks:
         if isinstance(hit, SavedCompressed) and hit.table is not None:
             hit = None  # only the function's own backward may read a table (NOTE in pointwise.py)
         exact = region_input and not self.plan.config.compress_checkpoint_inputs
+        if inside and self.tracker.compiled():  # eager code in a compiled forward
+            self.on_compiled()
+            exact = True  # see NOTE [Compiled forwards] in scope.py
         if hit is not None and (exact or (spec is not None and spec.keeps(tensor))):
             hit = hit if isinstance(hit, SavedKept) else None  # a compressed copy would not do
         if hit is not None:
@@ -410,9 +475,6 @@ class SaveHooks:
         ``_compact(tensor)``)."""
         if not inside:
             return Kind.OUTSIDE
-        if self.tracker.compiled():
-            self.on_compiled()
-            return Kind.KEPT  # see NOTE [Compiled forwards] in scope.py
         cfg = self.plan.config
         if not cfg.spec.compresses or tensor.layout is not torch.strided:
             return Kind.KEPT

@@ -43,10 +43,10 @@ _ticks = itertools.count(1)
 # Under ``torch.compile`` the hooks of the model's root module run eagerly (wrapped in
 # ``torch._dynamo.disable``: one graph break before and after the whole forward) and notice that
 # dynamo is running the forward; the hooks of submodules do nothing while dynamo traces, so they
-# leave no side effects in the graph. A compiled forward runs without ``DecisionMode``, and its
-# saves are kept as they are (see NOTE [Owners] in saved.py and the README's Known limits): the
-# compiled backward unpacks all saved tensors at once when it starts (pytorch#148222), so
-# compressing them would not lower the peak, and it takes decisions GACT cannot see.
+# leave no side effects in the graph. A compiled forward runs without ``DecisionMode``: the saves
+# of its compiled graphs are traced into them with decisions read off the compiled backward
+# (NOTE [Compiled saves] in compiled.py), while tensors saved by eager code between its graphs
+# (at graph breaks) are kept as they are, since no ``DecisionMode`` saw the calls that saved them.
 
 
 def _eager(hook: Callable[..., None]) -> Callable[..., None]:

@@ -1,0 +1,163 @@
+"""torch.compile with GACT: compiled runs against eager ones, same model, level and batches.
+
+Per model (``gact_examples.workloads``: transformers GPT-2 on tiny-shakespeare, the ResNet-18
+layout on CIFAR-10, the char-GPT and MNIST memory configurations, ...) every run in ``--runs``
+(``BACKEND:LEVEL``; ``eager`` for no compile, ``fp32`` for no GACT; compiled in place with
+``nn.Module.compile``) starts from the same weights and sees the same batches. Each records every
+step's training loss, the live-tensor peak of step ``--peak-step`` (the torch profiler's
+allocations: what a perfect allocator would hold, as ``max_memory_allocated`` on CUDA), step
+times, the held-out loss and accuracy at the end, what GACT stored, the compiled save sites it
+compressed and kept, and the graphs dynamo compiled. The table gives each run's mean training
+loss over the last ``--tail`` steps against the eager run of its level, and its peak against the
+fp32 run of its backend. Runs are sequential: take step-time ratios from ``speed_bench.py
+--compile`` (interleaved), not from here.
+
+    python examples/compile_bench.py --data ../shared/data --models gpt2,resnet18 --steps 200
+    python examples/compile_bench.py --data ../shared/data --models mnist,char-gpt --steps 4 \
+        --runs eager:fp32,eager:L1,inductor:fp32,inductor:L1,aot_eager:fp32,aot_eager:L1
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from gact import Controller, GactConfig
+from gact_examples.memory import live_tensor_peak
+from gact_examples.runs import publish
+from gact_examples.workloads import MODELS, workload
+
+
+def train(
+    name: str, data: str, level: str, backend: str | None, steps: int, peak_step: int
+) -> dict[str, Any]:
+    """One run: ``steps`` steps of model ``name`` at ``level`` (``fp32``: no GACT), compiled
+    with ``backend`` (``None``: eager)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    work = workload(name, data)
+    if backend is not None:
+        work.model.compile(backend=backend)
+    ctl = None if level == "fp32" else Controller(work.model, GactConfig.from_level(level))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    losses, times, peak = [], [], None
+    if ctl is not None:
+        ctl.install_hook()
+    try:
+        for i in range(steps):
+            start = time.perf_counter()
+
+            def closure(i: int = i) -> torch.Tensor:
+                loss = work.loss(i)
+                work.optimizer.zero_grad()
+                loss.backward()
+                return loss
+
+            def step(closure: Any = closure) -> torch.Tensor:
+                loss = closure() if ctl is None else ctl.iterate(closure)
+                work.optimizer.step()
+                return loss
+
+            if i == peak_step:
+                loss, peak = live_tensor_peak(step)
+            else:
+                loss = step()
+            losses.append(float(loss))
+            times.append(time.perf_counter() - start)
+    finally:
+        if ctl is not None:
+            ctl.uninstall_hook()
+    record: dict[str, Any] = {
+        "model": name,
+        "run": f"{backend or 'eager'} {level}",
+        "backend": backend,
+        "level": level,
+        "losses": losses,
+        "peak_bytes": peak,
+        "step_s": statistics.median(times[1:]) if steps > 1 else times[0],
+        "first_step_s": times[0],
+        "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs,
+        **{f"heldout_{k}": v for k, v in work.evaluate().items()},
+    }
+    if ctl is not None:
+        st, sites = ctl.stats(), ctl.hooks.compiled_sites.values()
+        record.update(
+            ratio=st["ratio"],
+            adaptations=st["adaptations"],
+            compiled_compressed=sum(s.keep is None for s in sites),
+            compiled_kept=sorted(f"{s.key}: {s.keep}" for s in sites if s.keep is not None),
+        )
+    return record
+
+
+def table(records: list[dict[str, Any]], tail: int = 20) -> str:
+    lines = [
+        f"| model | run | loss, last {tail} steps | vs eager | held-out loss | live peak | "
+        "fp32 / run | stored ratio | compiled sites stored / kept | graphs | step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    eager = {
+        (r["model"], r["level"]): statistics.fmean(r["losses"][-tail:])
+        for r in records
+        if r["backend"] is None
+    }
+    fp32 = {(r["model"], r["backend"]): r["peak_bytes"] for r in records if r["level"] == "fp32"}
+    for r in records:
+        mean = statistics.fmean(r["losses"][-tail:])
+        ref = eager.get((r["model"], r["level"]))
+        versus = "-" if ref is None else f"{100 * (mean / ref - 1):+.2f}%"
+        peak, base = r["peak_bytes"], fp32.get((r["model"], r["backend"]))
+        shown = "-" if peak is None else f"{peak / (1 << 20):.0f} MiB"
+        against = "-" if peak is None or base is None else f"{base / peak:.2f}x"
+        ratio = f"{r['ratio']:.2f}x" if "ratio" in r else "-"
+        sites = (
+            f"{r['compiled_compressed']} / {len(r['compiled_kept'])}"
+            if r["backend"] and "compiled_kept" in r
+            else "-"
+        )
+        lines.append(
+            f"| {r['model']} | {r['run']} | {mean:.4f} | {versus} | {r['heldout_loss']:.4f} | "
+            f"{shown} | {against} | {ratio} | {sites} | {r['graphs']} | "
+            f"{1e3 * r['step_s']:.0f} ms |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", required=True)
+    p.add_argument("--models", default="gpt2,resnet18")
+    p.add_argument("--runs", default="eager:L2,inductor:L2,inductor:fp32",
+                   help="BACKEND:LEVEL pairs (eager: no compile; fp32: no GACT)")  # fmt: skip
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--peak-step", type=int, default=2, help="the step whose peak is measured")
+    p.add_argument("--tail", type=int, default=20, help="steps averaged for the table's loss")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = sorted(set(models) - set(MODELS))
+    if unknown:
+        raise ValueError(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
+    runs = [tuple(r.strip().split(":")) for r in args.runs.split(",") if r.strip()]
+    if any(len(r) != 2 for r in runs):
+        raise ValueError(f"--runs takes BACKEND:LEVEL pairs, got {args.runs!r}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    records = []
+    for name in models:
+        for backend, level in runs:
+            compiled = None if backend == "eager" else backend
+            records.append(train(name, args.data, level, compiled, args.steps, args.peak_step))
+            print(table(records[-1:], args.tail).splitlines()[-1], flush=True)
+    publish(records, lambda rs: table(rs, args.tail), lambda rs, path: None,
+            json_path=args.json, plot_path=None)  # fmt: skip
+    return records
+
+
+if __name__ == "__main__":
+    main()

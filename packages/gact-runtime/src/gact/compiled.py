@@ -1,0 +1,261 @@
+"""Compressed saves inside ``torch.compile``d graphs.
+
+GACT's saved-tensor hooks are ``torch.fx.GraphModule`` s, which AOTAutograd traces into the
+compiled graphs: each tensor a compiled forward saves is packed in the forward's epilogue and
+unpacked, just before its first use, in the compiled backward. Eager code calls the same hooks
+as plain functions.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from .compiled_sites import VIEWS, CompiledSite, add_kept, op_name
+from .errors import GactError
+
+if TYPE_CHECKING:
+    from .saved import Saved, SaveHooks
+
+__all__ = [
+    "COMPILED_NODE",
+    "SaveHookModule",
+    "pack_on_thread",
+    "pack_traced",
+    "tracing_context",
+    "unpack_on_thread",
+    "unpack_traced",
+]
+
+# NOTE [Compiled saves]
+# A compiled backward used to unpack every saved tensor when it started (pytorch#148222), which
+# brings all activations back at once: compressing them lowered no peak. Since pytorch#150032
+# (in the torch 2.13 this project pins) AOTAutograd inlines saved-tensor hooks that are ``torch.fx.GraphModule`` s into the compiled
+# graphs (``maybe_inline_graph_saved_tensors_hooks``): it traces the pack hook on each saved
+# intermediate (a fake tensor, with ``_get_saved_tensor_hook_context()`` naming the saved node
+# and both graphs) into the forward's epilogue, and the unpack hook into the backward's prologue.
+# GACT's hooks are such modules (``SaveHookModule``; eager code calls them as plain functions).
+# Three design decisions, each chosen over an alternative:
+# - Handles, not payloads, cross the graph boundary. The traced pack hook emits one opaque
+#   custom op, ``gact::pack_saved``, which at run time compresses the tensor through the eager
+#   code path (``SaveHooks.pack_site``: same kernels, byte format, seeds, ledger, swap) and
+#   returns a one-element int64 *handle* to the ``Saved`` it keeps in ``_PAYLOADS``;
+#   ``gact::unpack_saved`` turns the handle back into the tensor. The payload's size depends on
+#   the bit width, so returning payload tensors from the graph would bake every width into the
+#   compiled code and recompile at each adaptation, and a payload's lossless groups have a
+#   data-dependent size. With handles the widths are read from the plan at run time: adaptation
+#   never recompiles. The entry lives as long as the handle tensor, which autograd holds exactly
+#   as long as it would have held the saved tensor (``weakref.finalize``), so an abandoned graph
+#   frees its payloads, and a second backward (``retain_graph=True``) finds them again.
+# - Decisions come from the backward graph, not from ``DecisionMode``, when the graph is traced
+#   (NOTE [Decisions from the backward graph] in compiled_sites.py).
+# - Each save is packed right after it is computed and unpacked right before its first use.
+#   AOTAutograd puts every pack at the forward's end and every unpack at the backward's start,
+#   and neither backend moves an opaque op: all activations would be alive at once, as before.
+#   ``_place_packs`` moves each ``pack_saved`` just after the node it packs (a saved view, which
+#   the partitioner makes at the forward's end, just after its base), ``_place_unpacks`` each
+#   ``unpack_saved`` just before its first user. Both run at every traced unpack, when its pack
+#   is in the forward graph and the earlier unpacks in the backward one; the last unpack is
+#   placed when the compiled forward first runs, before the backward is compiled (lazily, at
+#   its first call; a backward compiled ahead of time, with dynamic shapes, keeps that one
+#   unpack at its start). tests/test_compile.py proves the placement with the peak.
+# Saves that AOTAutograd does not hand to the hooks (graph inputs, parameters, outputs: the
+# default ``saved_tensors_hooks_filtering_mode="donated"``) are kept, as they cannot be freed.
+# ``_SITES`` and the traced sites hold their controller's hooks for the process's life: a
+# compiled graph may run again as long as its hooks' ids are installed (dynamo's guard).
+
+#: The autograd node that unpacks every save of a compiled graph (the consumer of its decisions).
+COMPILED_NODE = "CompiledFunctionBackward"
+
+# ----------------------------------------------------------------- the ops in compiled graphs
+_SITES: list[CompiledSite] = []  # site id -> site; a site is traced once per compiled graph
+_PAYLOADS: dict[int, Saved] = {}  # handle -> what its save holds (see NOTE above)
+_HANDLES = itertools.count(1)
+_LOCK = threading.Lock()
+
+
+@torch.library.custom_op("gact::pack_saved", mutates_args=())
+def _pack_saved(tensor: torch.Tensor, site: int) -> torch.Tensor:
+    """Compress ``tensor`` as site ``site`` says; returns its handle (see NOTE above)."""
+    _flush_placements()
+    entry = _SITES[site]
+    saved = entry.hooks.pack_site(tensor, entry)
+    handle = torch.tensor([next(_HANDLES)], dtype=torch.int64)
+    number = int(handle[0])
+    with _LOCK:
+        _PAYLOADS[number] = saved
+    weakref.finalize(handle, _PAYLOADS.pop, number, None)
+    return handle
+
+
+@_pack_saved.register_fake
+def _(tensor: torch.Tensor, site: int) -> torch.Tensor:
+    return torch.empty((1,), dtype=torch.int64)
+
+
+@torch.library.custom_op("gact::unpack_saved", mutates_args=())
+def _unpack_saved(
+    handle: torch.Tensor, site: int, shape: Sequence[int], stride: Sequence[int]
+) -> torch.Tensor:
+    """The tensor saved under ``handle``, with the saved tensor's shape and strides."""
+    saved = _PAYLOADS.get(int(handle[0]))
+    if saved is None:
+        raise GactError(
+            "a compiled backward asked for a saved tensor whose handle was freed; this is a "
+            "GACT bug: please report it (uninstalling the Controller around torch.compile "
+            "avoids it)"
+        )
+    values = _SITES[site].hooks.unpack(saved)
+    if values.stride() != tuple(stride) or values._is_view():
+        values = torch.empty_strided(shape, stride, dtype=values.dtype, device=values.device).copy_(
+            values
+        )
+    return values
+
+
+@_unpack_saved.register_fake
+def _(handle: torch.Tensor, site: int, shape: Sequence[int], stride: Sequence[int]) -> torch.Tensor:
+    entry = _SITES[site]
+    return torch.empty_strided(shape, stride, dtype=entry.dtype, device=entry.device)
+
+
+_PACK = torch.ops.gact.pack_saved.default
+_UNPACK = torch.ops.gact.unpack_saved.default
+
+
+# ----------------------------------------------------------------- tracing
+try:  # since pytorch#150032; before, the hooks see compiled saves eagerly and keep them
+    from torch._functorch._aot_autograd.graph_compile import (
+        _get_saved_tensor_hook_context as _hook_context,
+    )
+except ImportError:  # pragma: no cover - depends on the torch version
+    _hook_context = None
+
+
+def tracing_context() -> dict[str, Any] | None:
+    """The saved node being traced by AOTAutograd (``_fw_graph``, ``_bw_graph``, ``_node``),
+    or ``None`` when the hooks run eagerly."""
+    return None if _hook_context is None else _hook_context()
+
+
+def pack_traced(hooks: SaveHooks, tensor: torch.Tensor, context: dict[str, Any]) -> Any:
+    """The traced pack of a compiled graph's save: the tensor itself if it is kept, else
+    ``(handle, site, shape, stride)``."""
+    node: torch.fx.Node = context["_node"]
+    site = node.meta.get("gact_site")
+    if site is None:  # the first of AOTAutograd's two calls for this node
+        entry = CompiledSite.of(hooks, tensor, context)
+        with _LOCK:
+            site = len(_SITES)
+            _SITES.append(entry)
+        node.meta["gact_site"] = site
+        hooks.traced(entry)
+        if entry.keep is None:
+            _PENDING.append(context["_bw_graph"])
+        add_kept(entry)
+    if _SITES[site].keep is not None:
+        return tensor
+    handle = torch.ops.gact.pack_saved(tensor, site)
+    return handle, site, tuple(tensor.shape), tuple(tensor.stride())
+
+
+def unpack_traced(packed: Any, context: dict[str, Any] | None) -> torch.Tensor:
+    """The traced unpack of what ``pack_traced`` returned (``context``: see
+    ``tracing_context``)."""
+    if context is not None:  # this node's pack is in the forward graph; earlier unpacks too
+        _place_packs(context["_fw_graph"])
+        _place_unpacks(context["_bw_graph"])
+    if isinstance(packed, torch.Tensor):
+        return packed
+    handle, site, shape, stride = packed
+    return torch.ops.gact.unpack_saved(handle, site, list(shape), list(stride))
+
+
+# ----------------------------------------------------------------- placement
+_PENDING: list[torch.fx.Graph] = []  # backward graphs whose unpacks may still need placing
+
+
+def _place_packs(graph: torch.fx.Graph) -> None:
+    """Move every ``pack_saved`` of ``graph`` just after the node it packs, and a saved view
+    (which the partitioner may have made at the forward's end) just after its base: the base
+    is freed once all its views are packed."""
+    for node in [n for n in graph.nodes if n.target is _PACK]:
+        chain, source = [], node.args[0]
+        while op_name(source) in VIEWS and not any(
+            isinstance(a, torch.fx.Node) for a in (*source.args[1:], *source.kwargs.values())
+        ):
+            chain.append(source)
+            source = source.args[0]
+        if source.op == "placeholder":  # a view of an input: packed where it is made
+            chain, source = [], node.args[0]
+        for moved in (*reversed(chain), node):
+            if source.next is not moved:
+                source.append(moved)
+            source = moved
+
+
+def _place_unpacks(graph: torch.fx.Graph) -> bool:
+    """Move every ``unpack_saved`` of ``graph`` just before its first user; whether any moved."""
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    moved = False
+    for node in [n for n in graph.nodes if n.target is _UNPACK]:
+        if not node.users:
+            continue
+        first = min(node.users, key=order.__getitem__)
+        if node.next is not first:
+            first.prepend(node)
+            moved = True
+    return moved
+
+
+def _flush_placements() -> None:
+    """Place the unpacks of the graphs traced since the last call (NOTE above)."""
+    while _PENDING:
+        graph = _PENDING.pop()
+        if _place_unpacks(graph) and graph.owning_module is not None:
+            graph.lint()
+            graph.owning_module.recompile()
+
+
+# ----------------------------------------------------------------- the hook modules
+class SaveHookModule(torch.fx.GraphModule):
+    """A saved-tensor hook that ``torch.compile`` can trace (NOTE [Compiled saves]).
+
+    Eager code calls ``fn`` directly (no ``GraphModule`` call overhead); AOTAutograd calls the
+    module on fake tensors, which runs ``fn`` too, so ``fn`` decides what goes in the graph.
+    The module's own graph, a call of ``target``, is what dynamo records for its cache.
+
+    Args:
+        fn: the hook (``SaveHooks.pack`` or ``SaveHooks.unpack``).
+        target: a module-level function doing the same for the hooks installed on the thread.
+    """
+
+    def __init__(self, fn: Callable[[Any], Any], target: Callable[[Any], Any]) -> None:
+        graph = torch.fx.Graph()
+        graph.output(graph.call_function(target, (graph.placeholder("x"),)))
+        super().__init__(nn.Module(), graph)
+        self.fn = fn
+        # GraphModule gives each instance a class of its own, whose __call__ runs the graph.
+        # A bound method is no descriptor: calling the module calls ``fn`` with no frame or
+        # binding in between (``_from_checkpoint`` in saved.py counts the frames to its caller).
+        type(self).__call__ = fn
+
+
+def pack_on_thread(tensor: torch.Tensor) -> Any:
+    """``SaveHooks.pack`` of the innermost GACT hooks installed on this thread."""
+    from .saved import installed_hooks
+
+    return installed_hooks()[-1].pack(tensor)
+
+
+def unpack_on_thread(packed: Any) -> torch.Tensor:
+    """``SaveHooks.unpack`` of the innermost GACT hooks installed on this thread."""
+    from .saved import installed_hooks
+
+    return installed_hooks()[-1].unpack(packed)

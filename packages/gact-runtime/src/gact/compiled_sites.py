@@ -1,0 +1,346 @@
+"""What a ``torch.compile``d graph's saves are: each saved node's decision, read off the
+compiled backward graph (NOTE [Decisions from the backward graph]); used by compiled.py."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import operator
+import re
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import gact_kernels
+import torch
+
+from .decisions import ATTENTION_BITS
+from .errors import GactError
+
+if TYPE_CHECKING:
+    from .saved import SaveHooks
+
+__all__ = ["VIEWS", "CompiledSite", "add_kept", "kept_sites", "op_name"]
+
+# NOTE [Decisions from the backward graph]
+# A compiled forward runs no Python per op, so ``DecisionMode`` sees nothing, and the
+# partitioner, not the model, chooses what is saved (often a pre-activation from which the
+# backward recomputes a ReLU). The backward graph says how each saved tensor is read:
+# ``CompiledSite.of`` follows the saved node through views and through what the backward
+# recomputes from it (nodes no tangent feeds) to the aten ops that read it.
+# - Linear and smooth uses (matmuls, convolution and norm backwards, products, sums, exp, erf,
+#   GELU/SiLU/tanh/sigmoid backwards, softmax backwards, ops reading only the shape) are
+#   compressed, as eager code compresses the saves of these functions.
+# - A comparison with a constant made on the saved tensor itself (``relu``,
+#   ``threshold_backward``, ``gt``/``ge``/``lt``/``le``, the sign read by ``abs``/``sgn``) becomes
+#   an exact predicate, its 1-bit mask projecting the unpacked values (NOTE [Exact decisions] in
+#   decisions.py; the whole compiled backward is the consumer), or the zero-exact grid for a
+#   ReLU's own output; comparisons with 0 on the ReLU of the saved tensor are the same predicate.
+# - A decision the backward *recomputes* from the saved tensor through anything else (a
+#   BatchNorm + ReLU, a checkpointed block's ``relu(x @ w)``), a comparison with another tensor,
+#   a divisor (recomputed or not), a reciprocal and a use GACT does not know keep the tensor as
+#   it is: rounding it would make the decision on rounded values, biased, not noisy (the 26% of
+#   NOTE [Checkpointed regions] in saved.py). Per-row statistics (a trailing dimension of 1) are
+#   kept like eager code's; fused attention gives q and k their floor and keeps its log-sum-exp;
+#   a LayerNorm input read by its backward gets row groups.
+# ``report()`` lists every kept compiled save with its reason; an unknown use is warned once.
+
+# Uses that pass the tensor on unchanged (followed to their own users).
+VIEWS = {
+    "aten.t", "aten.transpose", "aten.permute", "aten.view", "aten.reshape", "aten._unsafe_view",
+    "aten.expand", "aten.squeeze", "aten.unsqueeze", "aten.slice", "aten.select", "aten.clone",
+    "aten.alias", "aten.detach", "aten.contiguous", "aten._to_copy", "aten.as_strided",
+    "aten.unflatten", "aten.flatten", "aten.split", "aten.split_with_sizes", "aten.unbind",
+    "prims.convert_element_type",
+}  # fmt: skip
+# Uses whose result is linear in the tensor or a smooth function of it: compressed, as eager
+# code compresses the saves of these functions' inputs and outputs.
+_TOLERANT = {
+    "aten.mm", "aten.bmm", "aten.addmm", "aten.baddbmm", "aten.matmul", "aten.convolution_backward",
+    "aten.convolution", "aten.mul", "aten.add", "aten.sub", "aten.rsub", "aten.neg", "aten.sum",
+    "aten.mean", "aten.where", "aten.exp", "aten.erf", "aten.tanh", "aten.sigmoid", "aten.pow",
+    "aten.gelu_backward", "aten.silu_backward", "aten.sigmoid_backward", "aten.tanh_backward",
+    "aten._softmax_backward_data", "aten._log_softmax_backward_data",
+    "aten.native_batch_norm_backward", "aten.empty_like", "aten.zeros_like", "aten.ones_like",
+    "aten.full_like", "aten.sym_size", "aten.sym_stride", "aten.sym_numel", "aten.addcmul",
+    "prims.fma",
+    # these read only the saved tensor's shape (their indices or target decide)
+    "aten.max_pool2d_with_indices_backward", "aten.max_pool3d_with_indices_backward",
+    "aten.avg_pool2d_backward", "aten.avg_pool3d_backward", "aten._adaptive_avg_pool2d_backward",
+    "aten.nll_loss_backward", "aten.nll_loss2d_backward",
+}  # fmt: skip
+# Comparisons with a constant, and whether the predicate recording them is strict: ``x > t``
+# records ``gt`` and ``le`` alike (one is the other's negation), ``x >= t`` ``ge`` and ``lt``.
+_COMPARISONS = {"aten.gt": True, "aten.le": True, "aten.ge": False, "aten.lt": False}
+# Uses that read the sign: ``x > 0`` and ``x >= 0`` recorded exactly tell it.
+_SIGNS = {"aten.abs", "aten.sgn", "aten.sign"}
+# Fused attention backwards: (argument positions of q and k, position of the log-sum-exp).
+_ATTENTION = {
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward": ((1, 2), 5),
+    "aten._scaled_dot_product_flash_attention_backward": ((1, 2), 5),
+    "aten._scaled_dot_product_efficient_attention_backward": ((1, 2), 6),
+    "aten._scaled_dot_product_cudnn_attention_backward": ((1, 2), 5),
+    "aten._efficient_attention_backward": ((1, 2), 7),
+    "aten._flash_attention_backward": ((1, 2), 5),
+}
+_RECIPROCALS = {"aten.rsqrt", "aten.reciprocal"}
+_MATMULS = {"aten.mm", "aten.bmm", "aten.addmm", "aten.baddbmm", "aten.convolution_backward"}
+# Reductions, and the outputs of fused ops that are statistics (per row or channel).
+_REDUCTIONS = {
+    "aten.amax", "aten.amin", "aten.sum", "aten.mean", "aten.var", "aten.var_mean", "aten.std",
+    "aten.logsumexp", "aten.max", "aten.min",
+}  # fmt: skip
+_STATISTIC_OUTPUTS = {
+    "aten.native_layer_norm": (1, 2), "aten.native_batch_norm": (1, 2, 3, 4),
+    "aten._native_batch_norm_legit": (1, 2), "aten._native_batch_norm_legit_functional": (1, 2),
+    "aten._native_batch_norm_legit_no_training": (1, 2), "aten.native_group_norm": (1, 2),
+    "aten._fused_rms_norm": (1,), "aten.var_mean": (0, 1),
+}  # fmt: skip
+_RELU = {"aten.relu"}
+_STORABLE = frozenset({torch.bool, *gact_kernels.FLOAT_DTYPES, *gact_kernels.INT_DTYPES})
+
+
+def op_name(node: torch.fx.Node) -> str:
+    """The name of the op ``node`` calls without its overload: ``aten.mm``, ``prims.fma``."""
+    return str(getattr(node.target, "overloadpacket", node.target))
+
+
+@dataclass(frozen=True, eq=False)
+class CompiledSite:
+    """How one tensor saved by a compiled graph is stored, decided when the graph is traced.
+
+    Args:
+        hooks: the ``SaveHooks`` of the controller whose model saved it.
+        key: its save-site key: ``<module>@<node>:<dtype>:<rank>d``.
+        dtype, device: the saved tensor's (for the unpacked tensor's fake value).
+        graph: which traced forward graph saves it (numbered in tracing order).
+        keep: why it is kept as it is, or ``None`` if it is compressed.
+        predicates: ``(strict, t)`` comparisons its backward makes (see ``DecisionSpec``).
+        zero_exact: a ReLU output read by ``x > 0``: stored on the zero-exact grid.
+        min_bits: its smallest width (fused attention's q and k).
+        row_length: LayerNorm rows: groups never span two rows of this many elements (0: none).
+        like: a meta tensor like the saved one (static shapes only): a kept site is counted
+            in the ledger with it whenever its graph runs (``SaveHooks.pack_site``).
+    """
+
+    hooks: SaveHooks
+    key: str
+    dtype: torch.dtype
+    device: torch.device
+    graph: int
+    keep: str | None
+    predicates: tuple[tuple[bool, float], ...] = ()
+    zero_exact: bool = False
+    min_bits: int = 0
+    row_length: int = 0
+    like: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, hooks: SaveHooks, val: torch.Tensor, context: dict[str, Any]) -> CompiledSite:
+        """Decide how to store the saved node named by ``context`` (see NOTE above)."""
+        node: torch.fx.Node = context["_node"]
+        key = f"{_module_path(node)}@{node.name}:{str(val.dtype).removeprefix('torch.')}"
+        key += f":{val.dim()}d"
+        site = dict(hooks=hooks, key=key, dtype=val.dtype, device=val.device)
+        site["graph"] = _graph_number(context["_fw_graph"])
+        if all(isinstance(n, int) for n in val.shape):
+            site["like"] = torch.empty(val.shape, dtype=val.dtype, device="meta")
+        config = hooks.plan.config
+        if not config.spec.compresses:
+            return cls(keep=f"level {config.level} compresses nothing", **site)
+        if val.dtype not in _STORABLE:
+            return cls(keep=f"{val.dtype} is not stored compressed", **site)
+        numel = val.numel()
+        if isinstance(numel, int) and numel < config.min_numel:
+            return cls(keep=f"fewer than min_numel={config.min_numel} elements", **site)
+        if not val.is_floating_point():
+            return cls(keep=None, **site)  # bool and integer tensors: packed losslessly
+        if op_name(node) in _RECIPROCALS:
+            return cls(keep="a reciprocal (divides in the backward)", **site)
+        uses = _uses(_placeholder(context["_bw_graph"], node.name))
+        if _statistic(node) and not any(op_name(u) in _MATMULS for u, _, how in uses):
+            return cls(keep="a per-row statistic", **site)  # not features pooled for a layer
+        predicates: set[tuple[bool, float]] = set()
+        min_bits = row_length = 0
+        for use, position, how in uses:
+            op = op_name(use)
+            if op in _TOLERANT or use.op == "output":
+                continue
+            if op == "aten.div":
+                if position == 1:
+                    return cls(keep="a divisor", **site)
+                continue
+            if op in _RECIPROCALS:
+                return cls(keep="a divisor", **site)
+            predicate = _decision(use, position)
+            if predicate is not None:
+                t = predicate[1]
+                if math.isnan(t):
+                    return cls(keep=f"compared with another tensor by {op}", **site)
+                if how == _SAME or (how == _RELU_OF and t == 0.0):
+                    predicates.update({(True, 0.0), (False, 0.0)} if op in _SIGNS else {predicate})
+                else:
+                    return cls(keep=f"a recomputed decision ({op}) reads it", **site)
+            elif op in _ATTENTION:
+                precise, lse = _ATTENTION[op]
+                if position == lse:
+                    return cls(keep="fused attention's log-sum-exp", **site)
+                if position in precise:
+                    min_bits = ATTENTION_BITS
+            elif op == "aten.native_layer_norm_backward" and position == 1:
+                row_length = _numel(use.args[2]) if how == _SAME else 0
+            elif op == "aten.native_layer_norm_backward":
+                return cls(keep="LayerNorm's statistics", **site)
+            else:
+                return cls(keep=f"read by {op} in the compiled backward", **site)
+        zero_exact = predicates == {(True, 0.0)} and op_name(node) in _RELU
+        return cls(
+            keep=None,
+            predicates=() if zero_exact else tuple(sorted(predicates)),
+            zero_exact=zero_exact,
+            min_bits=min_bits,
+            row_length=row_length,
+            **site,
+        )
+
+    @property
+    def unknown_use(self) -> bool:
+        """Kept because GACT does not know how its backward reads it (warned once)."""
+        return self.keep is not None and self.keep.startswith("read by")
+
+
+def _statistic(node: torch.fx.Node, depth: int = 0) -> bool:
+    """Whether forward node ``node`` is a statistic: a reduction, a statistic output of a fused
+    norm, or computed from statistics and constants alone (``rsqrt(var + eps)``,
+    ``log(sum(exp))``), through views."""
+    if node.op != "call_function" or depth > 8:
+        return False
+    op = op_name(node)
+    if op in _REDUCTIONS:
+        return True
+    if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
+        return node.args[1] in _STATISTIC_OUTPUTS.get(op_name(node.args[0]), ())
+    inputs = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, torch.fx.Node)]
+    return bool(inputs) and all(_statistic(a, depth + 1) for a in inputs)
+
+
+def _decision(use: torch.fx.Node, position: int) -> tuple[bool, float] | None:
+    """The comparison ``use`` makes on its argument at ``position``, as ``(strict, t)``
+    (``x > t`` or ``x >= t``; a sign counts as ``x > 0``), or ``None`` if it makes none."""
+    op = op_name(use)
+    if op in _RELU or op in _SIGNS:
+        return (True, 0.0)
+    if op == "aten.threshold_backward" and position == 1 and _constant(use, 2):
+        return (True, float(use.args[2]))
+    if op in _COMPARISONS and position == 0 and _constant(use, 1):
+        return (_COMPARISONS[op], float(use.args[1]))
+    if op == "aten.threshold_backward" or op in _COMPARISONS:
+        return (True, math.nan)  # against a tensor: no exact mask can record it
+    return None
+
+
+def _module_path(node: torch.fx.Node) -> str:
+    """The qualified name of the innermost module that made ``node`` (``<root>`` if none)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return "<root>"
+    path = list(stack.values())[-1][0]
+    path = re.sub(r"^L\['[^']*'\]\.?", "", path)  # dynamo's name of the traced module
+    path = re.sub(r"\._modules\['([^']*)'\]", r".\1", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path).strip(".")
+    return path or "<root>"
+
+
+def _placeholder(graph: torch.fx.Graph, name: str) -> torch.fx.Node:
+    for node in graph.find_nodes(op="placeholder"):
+        if node.name == name:
+            return node
+    raise GactError(f"saved node {name!r} not found among the compiled backward's inputs")
+
+
+# How a use reaches the saved tensor: directly (through views), through a ReLU of it, or
+# through any other recomputation of the forward in the backward.
+_SAME, _RELU_OF, _DERIVED = "same", "relu", "derived"
+
+
+def _uses(node: torch.fx.Node) -> list[tuple[torch.fx.Node, int, str]]:
+    """The non-view uses of ``node`` as ``(use, argument position, how it is reached)``,
+    followed through views and through what the backward recomputes from it (nodes no
+    tangent feeds: ``abs(h) + 1``, or a checkpointed block's ``relu(x @ w)``), whose own uses
+    decide as well: a recomputed divisor is still a divisor, a recomputed ReLU still decides."""
+    fed = _tangent_fed(node.graph)
+    out, todo, seen = [], [(node, _SAME)], set()
+    while todo:
+        current, how = todo.pop()
+        for user in current.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if user.op != "call_function":
+                out.append((user, -1, how))
+            elif op_name(user) in VIEWS or user.target is operator.getitem:
+                todo.append((user, how))
+            else:
+                position = next((i for i, a in enumerate(user.args) if a is current), -1)
+                out.append((user, position, how))
+                if op_name(user) in _RELU and how != _DERIVED:
+                    todo.append((user, _RELU_OF))
+                elif user not in fed:
+                    todo.append((user, _DERIVED))
+    return out
+
+
+_FED: weakref.WeakKeyDictionary[torch.fx.Graph, set[torch.fx.Node]] = weakref.WeakKeyDictionary()
+
+
+def _tangent_fed(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The nodes of a backward graph that depend on its tangents (the gradient computation;
+    the others recompute the forward)."""
+    fed = _FED.get(graph)
+    if fed is None:
+        todo = [n for n in graph.find_nodes(op="placeholder") if n.name.startswith("tangents")]
+        fed = set(todo)
+        while todo:
+            for user in todo.pop().users:
+                if user not in fed:
+                    fed.add(user)
+                    todo.append(user)
+        _FED[graph] = fed
+    return fed
+
+
+def _constant(node: torch.fx.Node, position: int) -> bool:
+    return len(node.args) > position and isinstance(node.args[position], (int, float))
+
+
+def _numel(shape: Sequence[Any]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+_NUMBERS: weakref.WeakKeyDictionary[torch.fx.Graph, int] = weakref.WeakKeyDictionary()
+_KEPT: dict[int, list[CompiledSite]] = {}  # graph number -> its sites kept as they are
+_GRAPH_NUMBERS = itertools.count(1)
+
+
+def _graph_number(graph: torch.fx.Graph) -> int:
+    number = _NUMBERS.get(graph)
+    if number is None:
+        number = _NUMBERS[graph] = next(_GRAPH_NUMBERS)
+        _KEPT[number] = []
+    return number
+
+
+def kept_sites(graph: int) -> list[CompiledSite]:
+    """The sites of traced forward graph ``graph`` kept as they are (those of static shape,
+    which the ledger counts whenever the graph runs)."""
+    return _KEPT.get(graph, [])
+
+
+def add_kept(site: CompiledSite) -> None:
+    """Count ``site``, kept as it is, with the other kept sites of its graph."""
+    if site.keep is not None and site.like is not None:
+        _KEPT[site.graph].append(site)
