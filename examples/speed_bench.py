@@ -7,10 +7,7 @@ steps of every level in turn (the order rotates between rounds), so that a slow 
 shared machine hits every level alike. A level's ratio is its median step time over fp32's
 median *in the same round*; the table shows the median ratio over rounds and the worst one.
 With ``--compile BACKEND`` every copy, fp32's included, is compiled in place
-(``nn.Module.compile``; the first round's first step compiles and is not timed). Installing and
-uninstalling a controller adds and removes module hooks, which dynamo guards on: every round
-recompiles each GACT copy once, uncounted (its first step is not timed), and the script raises
-dynamo's recompile limit for that (one controller installed for a whole run compiles once).
+(``nn.Module.compile``; the first round's first step compiles and is not timed).
 
     python examples/speed_bench.py --data ../shared/data --json speed_bench.json
 """
@@ -116,9 +113,6 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         levels.insert(0, "fp32")
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.compile:  # see the docstring: each round recompiles each GACT copy once
-        torch._dynamo.config.recompile_limit = 4 * len(levels) * args.rounds
-        torch._dynamo.config.accumulated_recompile_limit = 1024
     results = []
     for name in models:
         results.append(measure(name, args.data, levels, args.rounds, args.steps, args.compile))

@@ -195,6 +195,36 @@ def test_adaptation_never_recompiles() -> None:
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+@pytest.mark.parametrize(
+    ("spelling", "pause"),
+    [("Controller(torch.compile(model))", False), ("model.compile()", False),
+     ("Controller(torch.compile(model))", True)],
+)  # fmt: skip
+def test_install_cycles_and_pauses_never_recompile(spelling: str, pause: bool) -> None:
+    """``with controller:`` around every epoch (and ``paused()`` in it): the model compiles once
+    with GACT's hooks (and once without, for the paused forwards), however many cycles. (An
+    in-place ``model.compile()`` with ``paused()`` still recompiles: a known limit.)"""
+    model = _pooling_cnn()
+    if spelling == "model.compile()":
+        model.compile(backend="aot_eager")
+        run = target = model
+    else:
+        run = target = torch.compile(model, backend="aot_eager")
+    controller = Controller(target, GactConfig.from_level("L1", min_numel=0))
+    x, y = torch.randn(8, 1, 16, 16), torch.randint(0, 10, (8,))
+    counters = torch._dynamo.utils.counters
+    before = counters["stats"]["unique_graphs"]
+    for _ in range(5):
+        with controller:
+            F.cross_entropy(run(x), y).backward()
+            controller.step()
+            if pause:
+                with controller.paused():
+                    F.cross_entropy(run(x), y).backward()
+    assert counters["stats"]["unique_graphs"] - before == (2 if pause else 1)
+    assert any(r.kind is Kind.QUANTIZED for k, r in controller.ledger.last.items() if "@" in k)
+
+
 class _SinhOverNorm(nn.Module):
     def __init__(self) -> None:
         super().__init__()

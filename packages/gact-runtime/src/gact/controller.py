@@ -103,6 +103,7 @@ class Controller:
                 "model has no parameters: there is nothing to train, so GACT has nothing to do"
             )
         # Controller(torch.compile(model)): track the compiled module's original
+        self._compiled = hasattr(model, "_orig_mod")
         model = getattr(model, "_orig_mod", model)
         self.model = model
         self.plan = BitPlan(config if config is not None else get_config())
@@ -181,7 +182,8 @@ class Controller:
                     "first (one model, one controller; nested models may have one each)"
                 )
         self.parameter_filter.refresh()
-        self.tracker.attach()
+        compiled = self._compiled or getattr(self.model, "_compiled_call_impl", None) is not None
+        self.tracker.attach(root_only=compiled)  # see NOTE [Compiled forwards] in scope.py
         context = torch.autograd.graph.saved_tensors_hooks(*self.hooks.modules)
         context.__enter__()
         self._context = context

@@ -349,11 +349,10 @@ class SaveHooks:
         return best
 
     def pack(self, tensor: torch.Tensor) -> Saved | object:
+        owner = self.owner()
         context = compiled.tracing_context()
         if context is not None:  # AOTAutograd traces a compiled graph's save
-            owner = self.owner()
             return tensor if owner is None else compiled.pack_traced(owner, tensor, context)
-        owner = self.owner()
         if owner is None:
             return self.pack_own(tensor, inside=False)
         return owner.pack_own(tensor, inside=True, region_input=_from_checkpoint())

@@ -47,6 +47,11 @@ _ticks = itertools.count(1)
 # of its compiled graphs are traced into them with decisions read off the compiled backward
 # (NOTE [Compiled saves] in compiled.py), while tensors saved by eager code between its graphs
 # (at graph breaks) are kept as they are, since no ``DecisionMode`` saw the calls that saved them.
+# A model known to be compiled when the hooks are installed (the controller was given the
+# compiled module, or ``nn.Module.compile()`` ran before) gets the root's hooks alone: its
+# submodules' hooks would do nothing, and dynamo guards on them, so registering them anew at
+# every ``install_hook()`` would recompile the model each time (the root's hooks run outside the
+# compiled frames). Its eager saves at graph breaks are then all named under ``<root>``.
 
 
 def _eager(hook: Callable[..., None]) -> Callable[..., None]:
@@ -150,11 +155,14 @@ class ScopeTracker:
             local.generation = self._generation
         return stack
 
-    def attach(self) -> None:
-        """Register forward pre/post hooks on every module of the model."""
+    def attach(self, *, root_only: bool = False) -> None:
+        """Register forward pre/post hooks on every module of the model (``root_only``: on the
+        root alone, for a compiled model: see NOTE [Compiled forwards])."""
         if self._handles:
             return
         for name, module in self._model.named_modules():
+            if name and root_only:
+                break
             label = name or "<root>"
             self._handles.append(module.register_forward_pre_hook(self._make_enter(label)))
             self._handles.append(
