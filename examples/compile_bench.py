@@ -29,7 +29,7 @@ import torch
 from gact import Controller, GactConfig
 from gact_examples.memory import live_tensor_peak
 from gact_examples.runs import publish
-from gact_examples.workloads import MODELS, workload
+from gact_examples.workloads import parse_models, workload
 
 
 def train(
@@ -139,10 +139,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
-    unknown = sorted(set(models) - set(MODELS))
-    if unknown:
-        raise ValueError(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
+    models = parse_models(args.models)
     runs = [tuple(r.strip().split(":")) for r in args.runs.split(",") if r.strip()]
     if any(len(r) != 2 for r in runs):
         raise ValueError(f"--runs takes BACKEND:LEVEL pairs, got {args.runs!r}")

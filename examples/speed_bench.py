@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 from gact import Controller, GactConfig
-from gact_examples.workloads import MODELS, workload
+from gact_examples.workloads import parse_models, workload
 
 LEVELS = ("fp32", "L0", "L1", "L2", "L1.2", "L2.2")
 
@@ -104,10 +104,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     p.add_argument("--compile", default=None, help="torch.compile backend for every copy")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
-    unknown = sorted(set(models) - set(MODELS))
-    if unknown:
-        raise ValueError(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
+    models = parse_models(args.models)
     levels = [lv.strip() for lv in args.levels.split(",") if lv.strip()]
     if "fp32" not in levels:
         levels.insert(0, "fp32")

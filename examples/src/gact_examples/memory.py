@@ -10,13 +10,10 @@ from __future__ import annotations
 import re
 import resource
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 import torch
-
-T = TypeVar("T")
+from gact.ledger import live_tensor_peak
 
 __all__ = ["MemoryMeter", "live_tensor_peak", "status_bytes", "tune_malloc_for_measurement"]
 
@@ -52,33 +49,6 @@ def _proc_status_kb(field: str) -> int | None:
         return None
     m = re.search(rf"^{field}:\s+(\d+) kB", text, re.M)
     return int(m.group(1)) if m else None
-
-
-def live_tensor_peak(fn: Callable[[], T]) -> tuple[T, int]:
-    """Run ``fn``; return what it returned and the peak bytes of CPU tensors allocated during it
-    and alive at once (over those alive when it starts), from the torch profiler's allocation
-    events. Unlike the resident size this does not depend on the C allocator: it is what a
-    perfect allocator would need, what ``max_memory_allocated`` counts on CUDA.
-
-    Example:
-        >>> _, peak = live_tensor_peak(lambda: torch.ones(1 << 20).sum())
-        >>> peak >= 4 << 20
-        True
-    """
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = fn()
-    events = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]"
-    )
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return result, peak
 
 
 def status_bytes(field: str) -> int:

@@ -21,7 +21,7 @@ from torch import nn
 from .data import load_char_corpus, load_cifar10, load_mnist, load_planetoid
 from .models import GNN, CharGPT, ResNet18, ResNetSmall
 
-__all__ = ["MODELS", "Workload", "workload"]
+__all__ = ["MODELS", "Workload", "parse_models", "workload"]
 
 MODELS = ("gpt2", "bert", "resnet18", "char-gpt", "mnist", "gcn", "encoder6")
 
@@ -58,6 +58,23 @@ def workload(name: str, data: str) -> Workload:
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
     return _BUILDERS[name](data)
+
+
+def parse_models(text: str) -> list[str]:
+    """The comma-separated model names of a ``--models`` option.
+
+    Raises:
+        ValueError: a name not in ``MODELS``.
+
+    Example:
+        >>> parse_models("gpt2, mnist")
+        ['gpt2', 'mnist']
+    """
+    models = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = sorted(set(models) - set(MODELS))
+    if unknown:
+        raise ValueError(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
+    return models
 
 
 def _evaluator(

@@ -49,23 +49,3 @@ def record_saves(controller: Any, monkeypatch: Any) -> list[object]:
 
     monkeypatch.setattr(controller.hooks, "pack_own", recording)
     return saved
-
-
-def live_tensor_peak(fn: Callable[[], Any]) -> tuple[Any, int]:
-    """Run ``fn``; return what it returned and the peak bytes of CPU tensors allocated during
-    it and alive at once, from the torch profiler's allocation events (allocator-independent:
-    what ``max_memory_allocated`` counts on CUDA)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = fn()
-    events = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]"
-    )
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return result, peak

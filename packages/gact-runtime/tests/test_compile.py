@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gact import Controller, GactConfig, GactWarning, compiled
-from gact.ledger import Kind
-from runtime_helpers import grads_of, live_tensor_peak, relative_error
+from gact.ledger import Kind, live_tensor_peak
+from runtime_helpers import grads_of, relative_error
 from torch import nn
 
 BACKENDS = ["aot_eager", "inductor"]

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["Kind", "Ledger", "SiteRecord", "occupied_bytes"]
+__all__ = ["Kind", "Ledger", "SiteRecord", "live_tensor_peak", "occupied_bytes"]
+
+T = TypeVar("T")
 
 # NOTE [Ledger]
 # Records are aggregated per save-site key, so the ledger's size is bounded by the number of
@@ -232,3 +234,30 @@ def _sensitivity_cell(value: float | None, stderr: float | None) -> str:
     if value is None:
         return "-"
     return f"{value:.3g}" if not stderr else f"{value:.3g} ± {stderr:.2g}"
+
+
+def live_tensor_peak(fn: Callable[[], T]) -> tuple[T, int]:
+    """Run ``fn``; return what it returned and the peak bytes of CPU tensors allocated during it
+    and alive at once (over those alive when it starts), from the torch profiler's allocation
+    events. Unlike the resident size this does not depend on the C allocator: it is what a
+    perfect allocator would need, what ``max_memory_allocated`` counts on CUDA.
+
+    Example:
+        >>> _, peak = live_tensor_peak(lambda: torch.ones(1 << 20).sum())
+        >>> peak >= 4 << 20
+        True
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    events = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]"
+    )
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return result, peak
