@@ -7,7 +7,11 @@ steps of every level in turn (the order rotates between rounds), so that a slow 
 shared machine hits every level alike. A level's ratio is its median step time over fp32's
 median *in the same round*; the table shows the median ratio over rounds and the worst one.
 With ``--compile BACKEND`` every copy, fp32's included, is compiled in place
-(``nn.Module.compile``; the first round's first step compiles and is not timed).
+(``nn.Module.compile``; the first round's first step compiles and is not timed). With
+``--device cuda`` every step is timed between two synchronisations, and each level's memory is
+also reported: the CUDA allocator's peak during its steps above what was allocated before them
+(every copy's weights and optimizer state are already there, so this is the step's own memory:
+activations, gradients in flight and the backward's working set), the largest over rounds.
 
     python examples/speed_bench.py --data ../shared/data --json speed_bench.json
 """
@@ -30,18 +34,28 @@ LEVELS = ("fp32", "L0", "L1", "L2", "L1.2", "L2.2")
 
 
 def measure(
-    name: str, data: str, levels: Sequence[str], rounds: int, steps: int, backend: str | None
+    name: str,
+    data: str,
+    levels: Sequence[str],
+    rounds: int,
+    steps: int,
+    backend: str | None,
+    device: torch.device,
 ) -> dict:
-    """Per level: the step times of every round (seconds) and the ratios to fp32's."""
+    """Per level: the step times of every round (seconds) and the ratios to fp32's, and on
+    CUDA the step's peak memory (bytes)."""
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     runs = {}
     for level in levels:
         torch.manual_seed(0)
-        work = workload(name, data)
+        work = workload(name, data, device)
         if backend is not None:
             work.model.compile(backend=backend)
         ctl = None if level == "fp32" else Controller(work.model, GactConfig.from_level(level))
         runs[level] = (work, ctl)
     times: dict[str, list[list[float]]] = {level: [] for level in levels}
+    peaks = dict.fromkeys(levels, 0)
     for r in range(rounds):
         order = [*levels[r % len(levels) :], *levels[: r % len(levels)]]
         for level in order:
@@ -49,7 +63,12 @@ def measure(
             if ctl is not None:
                 ctl.install_hook()
             spent = []
+            if cuda:
+                sync()
+                torch.cuda.reset_peak_memory_stats(device)
+                base = torch.cuda.memory_allocated(device)
             for i in range(steps + 1):  # the first step of a round warms the caches up
+                sync()
                 start = time.perf_counter()
                 loss = work.loss(r * (steps + 1) + i)
                 work.optimizer.zero_grad()
@@ -57,12 +76,21 @@ def measure(
                 work.optimizer.step()
                 if ctl is not None:
                     ctl.step()
+                sync()
                 if i:
                     spent.append(time.perf_counter() - start)
+            if cuda:
+                peak = torch.cuda.max_memory_allocated(device) - base
+                peaks[level] = max(peaks[level], peak)
             if ctl is not None:
                 ctl.uninstall_hook()
             times[level].append(spent)
-    result: dict[str, Any] = {"model": name, "backend": backend, "levels": {}}
+    result: dict[str, Any] = {
+        "model": name,
+        "backend": backend,
+        "device": str(device),
+        "levels": {},
+    }
     for level in levels:
         ratios = [
             statistics.median(times[level][r]) / statistics.median(times["fp32"][r])
@@ -74,6 +102,9 @@ def measure(
             "ratio_worst": max(ratios),
             "ratios": ratios,
         }
+        if cuda:
+            result["levels"][level]["peak_bytes"] = peaks[level]
+            result["levels"][level]["peak_ratio"] = peaks["fp32"] / max(peaks[level], 1)
     return result
 
 
@@ -86,9 +117,13 @@ def table(results: list[dict]) -> str:
         for level in levels:
             row = res["levels"][level]
             if level == "fp32":
-                cells.append(f"{1e3 * row['step_s']:.0f} ms")
+                cell = f"{1e3 * row['step_s']:.1f} ms"
             else:
-                cells.append(f"{row['ratio_median']:.2f}x (worst {row['ratio_worst']:.2f}x)")
+                cell = f"{row['ratio_median']:.2f}x (worst {row['ratio_worst']:.2f}x)"
+            if "peak_bytes" in row:
+                cell += f", peak {row['peak_bytes'] / 2**20:.0f} MiB"
+                cell += "" if level == "fp32" else f" (fp32/{level} {row['peak_ratio']:.2f}x)"
+            cells.append(cell)
         lines.append(f"| {res['model']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -102,9 +137,15 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     p.add_argument("--steps", type=int, default=3, help="timed steps per level and round")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--compile", default=None, help="torch.compile backend for every copy")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     models = parse_models(args.models)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error(
+            f"--device {args.device}: torch.cuda.is_available() is False here; use --device cpu"
+        )
     levels = [lv.strip() for lv in args.levels.split(",") if lv.strip()]
     if "fp32" not in levels:
         levels.insert(0, "fp32")
@@ -112,12 +153,15 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         torch.set_num_threads(args.threads)
     results = []
     for name in models:
-        results.append(measure(name, args.data, levels, args.rounds, args.steps, args.compile))
+        results.append(
+            measure(name, args.data, levels, args.rounds, args.steps, args.compile, device)
+        )
         print(table(results[-1:]).splitlines()[-1], flush=True)
     print(table(results))
     if args.json:
         meta = {"torch": torch.__version__, "threads": torch.get_num_threads(),
-                "rounds": args.rounds, "steps": args.steps, "compile": args.compile}  # fmt: skip
+                "rounds": args.rounds, "steps": args.steps, "compile": args.compile,
+                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}  # fmt: skip
         Path(args.json).write_text(json.dumps({**meta, "results": results}, indent=1))
     return results
 

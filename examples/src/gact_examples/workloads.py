@@ -7,6 +7,8 @@ char-GPT example's memory configuration (6 layers, 64 x 128 characters), ``mnist
 example's (ResNet-small with 3 blocks per stage, batch 512), ``gcn`` a two-layer GCN on Cora
 (full batch, the Planetoid split) and ``encoder6`` six ``nn.TransformerEncoderLayer`` blocks
 (width 256, 8 heads, causal) predicting the next of 32 x 128 tiny-shakespeare characters.
+Model, optimizer state and batches live on the device ``workload`` is given (the CPU by default);
+the data and the batch sequence are the same on every device.
 """
 
 from __future__ import annotations
@@ -49,15 +51,16 @@ class Workload:
     blocks: tuple[str, ...]
 
 
-def workload(name: str, data: str) -> Workload:
-    """The workload ``name`` (one of ``MODELS``) on the datasets under ``data``.
+def workload(name: str, data: str, device: torch.device | str = "cpu") -> Workload:
+    """The workload ``name`` (one of ``MODELS``) on the datasets under ``data``, trained on
+    ``device``.
 
     Raises:
         ValueError: an unknown ``name``.
     """
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
-    return _BUILDERS[name](data)
+    return _BUILDERS[name](data, torch.device(device))
 
 
 def parse_models(text: str) -> list[str]:
@@ -94,9 +97,10 @@ def _evaluator(
     return evaluate
 
 
-def _text(name: str, data: str) -> Workload:
+def _text(name: str, data: str, device: torch.device) -> Workload:
     corpus = load_char_corpus(data)
-    ids, val = torch.from_numpy(corpus["train"]), torch.from_numpy(corpus["val"])
+    ids = torch.from_numpy(corpus["train"]).to(device)
+    val = torch.from_numpy(corpus["val"]).to(device)
     vocab = len(corpus["chars"])
     batch = 64 if name == "char-gpt" else 32
     gen = torch.Generator().manual_seed(0)
@@ -105,7 +109,7 @@ def _text(name: str, data: str) -> Workload:
     val_starts = torch.linspace(0, len(val) - 129, 16).long()
     vx = val[val_starts[:, None] + torch.arange(128)]
     if name == "encoder6":
-        return _encoder6(ids, vx, vocab, batch)
+        return _encoder6(ids, vx, vocab, batch, device)
     if name == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -119,7 +123,7 @@ def _text(name: str, data: str) -> Workload:
             eos_token_id=0,
             use_cache=False,  # training: no key/value cache
         )
-        gpt2 = GPT2LMHeadModel(config).train()
+        gpt2 = GPT2LMHeadModel(config).to(device).train()
 
         def windows(i: int) -> torch.Tensor:
             g = torch.Generator().manual_seed(1000 + i)
@@ -140,15 +144,16 @@ def _text(name: str, data: str) -> Workload:
             vocab_size=vocab, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
             intermediate_size=512, max_position_embeddings=128, num_labels=2,
         )  # fmt: skip
-        bert = BertForSequenceClassification(config).train()
-        y = (starts > len(ids) // 2).long()
-        vy = (val_starts > len(val) // 2).long()
+        bert = BertForSequenceClassification(config).to(device).train()
+        y = (starts > len(ids) // 2).long().to(device)
+        vy = (val_starts > len(val) // 2).long().to(device)
         evaluate = _evaluator(bert, lambda: (bert(input_ids=vx).logits, vy))
         blocks = tuple(f"bert.encoder.layer.{i}" for i in range(config.num_hidden_layers))
         return Workload(
             bert, lambda i: bert(input_ids=x, labels=y).loss, _adamw(bert), evaluate, blocks
         )
-    gpt = CharGPT(vocab, block_size=128, n_layer=6, n_head=4, n_embd=128, dropout=0.1).train()
+    gpt = CharGPT(vocab, block_size=128, n_layer=6, n_head=4, n_embd=128, dropout=0.1)
+    gpt = gpt.to(device).train()
     evaluate = _evaluator(gpt, lambda: (gpt(vx)[:, :-1], vx[:, 1:]))
     return Workload(
         gpt,
@@ -169,15 +174,17 @@ class _Encoder(nn.Module):
         self.head = nn.Linear(width, vocab)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], device=x.device)
         h = self.embed(x)
         for layer in self.layers:
             h = layer(h, src_mask=mask, is_causal=True)
         return self.head(h)
 
 
-def _encoder6(ids: torch.Tensor, vx: torch.Tensor, vocab: int, batch: int) -> Workload:
-    enc = _Encoder(vocab).train()
+def _encoder6(
+    ids: torch.Tensor, vx: torch.Tensor, vocab: int, batch: int, device: torch.device
+) -> Workload:
+    enc = _Encoder(vocab).to(device).train()
 
     def encoder_loss(i: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(2000 + i)
@@ -198,33 +205,34 @@ def _sgd(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
 
-def _resnet18(data: str) -> Workload:
+def _resnet18(data: str, device: torch.device) -> Workload:
     cifar = load_cifar10(data)
     images = torch.from_numpy(cifar["x_train"])
     labels = torch.from_numpy(cifar["y_train"])
     order = torch.randperm(len(images), generator=torch.Generator().manual_seed(0))
     test = torch.linspace(0, len(cifar["x_test"]) - 1, 512).long()
-    tx = torch.from_numpy(cifar["x_test"])[test].float().div(255).permute(0, 3, 1, 2).contiguous()
-    ty = torch.from_numpy(cifar["y_test"])[test]
-    resnet = ResNet18().train()
+    tx = torch.from_numpy(cifar["x_test"])[test].to(device).float().div(255)
+    tx = tx.permute(0, 3, 1, 2).contiguous()
+    ty = torch.from_numpy(cifar["y_test"])[test].to(device)
+    resnet = ResNet18().to(device).train()
 
     def resnet_loss(i: int) -> torch.Tensor:
         pick = order[(i * 64) % len(order) :][:64]
-        x = images[pick].float().div(255).permute(0, 3, 1, 2).contiguous()
-        return F.cross_entropy(resnet(x), labels[pick])
+        x = images[pick].to(device).float().div(255).permute(0, 3, 1, 2).contiguous()
+        return F.cross_entropy(resnet(x), labels[pick].to(device))
 
     blocks = tuple(f"layer{s}.{b}" for s in range(1, 5) for b in range(2))
     evaluate = _evaluator(resnet, lambda: (resnet(tx), ty))
     return Workload(resnet, resnet_loss, _sgd(resnet), evaluate, blocks)
 
 
-def _mnist(data: str) -> Workload:
+def _mnist(data: str, device: torch.device) -> Workload:
     mnist = load_mnist(data)
-    x = torch.from_numpy(mnist["x_train"][:512]).float().div(255).unsqueeze(1)
-    y = torch.from_numpy(mnist["y_train"][:512]).long()
-    vx = torch.from_numpy(mnist["x_test"][:512]).float().div(255).unsqueeze(1)
-    vy = torch.from_numpy(mnist["y_test"][:512]).long()
-    small = ResNetSmall(in_channels=1, width=16, blocks=3).train()
+    x = torch.from_numpy(mnist["x_train"][:512]).to(device).float().div(255).unsqueeze(1)
+    y = torch.from_numpy(mnist["y_train"][:512]).to(device).long()
+    vx = torch.from_numpy(mnist["x_test"][:512]).to(device).float().div(255).unsqueeze(1)
+    vy = torch.from_numpy(mnist["y_test"][:512]).to(device).long()
+    small = ResNetSmall(in_channels=1, width=16, blocks=3).to(device).train()
     blocks = tuple(f"layers.{i}" for i in range(len(small.layers)))
     return Workload(
         small,
@@ -235,12 +243,14 @@ def _mnist(data: str) -> Workload:
     )
 
 
-def _gcn(data: str) -> Workload:
+def _gcn(data: str, device: torch.device) -> Workload:
     cora = load_planetoid(data, "cora")
-    x, y = torch.from_numpy(cora["x"]), torch.from_numpy(cora["y"])
-    train_idx, test_idx = torch.from_numpy(cora["train_idx"]), torch.from_numpy(cora["test_idx"])
-    graph, aux = GNN.prepare("gcn", torch.from_numpy(cora["edge_index"]), x.shape[0])
-    gcn = GNN("gcn", x.shape[1], 64, int(cora["num_classes"])).train()
+    x, y, train_idx, test_idx, edges = (
+        torch.from_numpy(cora[k]).to(device)
+        for k in ("x", "y", "train_idx", "test_idx", "edge_index")
+    )
+    graph, aux = GNN.prepare("gcn", edges, x.shape[0])
+    gcn = GNN("gcn", x.shape[1], 64, int(cora["num_classes"])).to(device).train()
     optimizer = torch.optim.Adam(gcn.parameters(), lr=0.01, weight_decay=5e-4)
     evaluate = _evaluator(gcn, lambda: (gcn(x, graph, aux)[test_idx], y[test_idx]))
     return Workload(
@@ -252,12 +262,12 @@ def _gcn(data: str) -> Workload:
     )
 
 
-_BUILDERS: dict[str, Callable[[str], Workload]] = {
-    "gpt2": lambda data: _text("gpt2", data),
-    "bert": lambda data: _text("bert", data),
-    "char-gpt": lambda data: _text("char-gpt", data),
+_BUILDERS: dict[str, Callable[[str, torch.device], Workload]] = {
+    "gpt2": lambda data, device: _text("gpt2", data, device),
+    "bert": lambda data, device: _text("bert", data, device),
+    "char-gpt": lambda data, device: _text("char-gpt", data, device),
     "resnet18": _resnet18,
     "mnist": _mnist,
     "gcn": _gcn,
-    "encoder6": lambda data: _text("encoder6", data),
+    "encoder6": lambda data, device: _text("encoder6", data, device),
 }

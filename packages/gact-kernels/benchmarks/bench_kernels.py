@@ -20,7 +20,7 @@ its ratio, beside the expected ((2^b - 1) / (2^b - 2))^2; and the share of posit
 the normal grid restores as 0 (the sign flips the mode removes; 0 in the mode, checked).
 
 Usage:
-    python packages/gact-kernels/benchmarks/bench_kernels.py [--json results.json]
+    python packages/gact-kernels/benchmarks/bench_kernels.py [--json results.json] [--devices cuda]
 """
 
 from __future__ import annotations
@@ -118,16 +118,15 @@ def bench_one(x: torch.Tensor, bits: int, repeats: int, ref_repeats: int) -> dic
     }
 
 
-def _devices() -> list[torch.device]:
-    devices = [torch.device("cpu")]
-    if torch.cuda.is_available() and gact_kernels.compiled_with_cuda():
-        devices.append(torch.device("cuda"))
-    return devices
+def _devices(args: argparse.Namespace) -> list[torch.device]:
+    """The devices of ``--devices`` that this machine has (CUDA: a GPU and the CUDA module)."""
+    cuda = torch.cuda.is_available() and gact_kernels.compiled_with_cuda()
+    return [torch.device(d) for d in args.devices if d == "cpu" or cuda]
 
 
 def run(args: argparse.Namespace) -> list[dict[str, object]]:
     rows = []
-    for device in _devices():
+    for device in _devices(args):
         for name in args.dtypes:
             dtype = DTYPES[name]
             numel = args.size_mib * 2**20 // torch.empty((), dtype=dtype).element_size()
@@ -219,7 +218,7 @@ def print_int_row(r: dict[str, object]) -> None:
 
 def run_ints(args: argparse.Namespace) -> list[dict[str, object]]:
     rows = []
-    for device in _devices():
+    for device in _devices(args):
         for name, x in int_cases(device, args.int_batch_divisor).items():
             rows.append(bench_ints(name, x, args.repeats))
             print_int_row(rows[-1])
@@ -307,7 +306,7 @@ def print_zx_row(r: dict[str, object]) -> None:
 
 def run_zero_exact(args: argparse.Namespace) -> list[dict[str, object]]:
     rows = []
-    for device in _devices():
+    for device in _devices(args):
         for name in args.dtypes:
             dtype = DTYPES[name]
             numel = args.size_mib * 2**20 // torch.empty((), dtype=dtype).element_size()
@@ -359,6 +358,10 @@ def main() -> None:
     parser.add_argument(
         "--only", choices=["quantize", "ints", "zero_exact"], help="run one part only"
     )
+    parser.add_argument(
+        "--devices", nargs="+", choices=["cpu", "cuda"], default=["cpu", "cuda"],
+        help="devices to time (default both; cuda where available)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -291,7 +291,8 @@ def test_cuda_non_contiguous_and_pinned() -> None:
     q = gact_kernels.quantize(x, 4, seed=8)
     assert_same(q, gact_kernels.quantize(x.cpu(), 4, seed=8))
     host = q.to("cpu", pin_memory=True)
-    assert all(t.is_pinned() for t in host.buffers())
+    # an empty buffer (no lossless groups here) has no memory to pin
+    assert all(t.is_pinned() for t in host.buffers() if t.numel())
     back = host.to(x.device, non_blocking=True)
     assert bits_equal(gact_kernels.dequantize(back), gact_kernels.dequantize(q))
 
@@ -305,7 +306,7 @@ def test_cuda_more_than_2_pow_31_elements() -> None:
     x[-1] = 5.0
     q = gact_kernels.quantize(x, 2, seed=11)
     assert q.data.numel() == math.ceil(n * 2 / 8) and q.lo.numel() == math.ceil(n / 256)
-    tail = x[-1000:].float()  # the last, partial group
+    tail = x[(n // 256) * 256 :].float()  # the last, partial group (232 elements)
     assert q.lo[-1].item() == tail.min().item()
     assert q.scale[-1].item() == pytest.approx((5.0 - tail.min().item()) / 3, rel=1e-6)
     y = gact_kernels.dequantize(q)

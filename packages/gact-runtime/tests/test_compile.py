@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import math
+import re
 import warnings
 
 import pytest
@@ -250,6 +251,46 @@ def test_compiled_sites_kept_are_reported_and_an_unknown_use_warned_once() -> No
     assert "read by aten.cosh" in report  # sinh's backward reads its input through cosh
     # g.abs() + 1 divides, recomputed in the backward or saved: g is kept exact, as in eager
     assert "gate@" in report and "a divisor" in report
+
+
+class _EagerIsland(nn.Module):
+    """A compiled forward with an eager function between its graphs; ``graph_saves``: the first
+    graph saves an intermediate (square's input) through GACT's hooks."""
+
+    def __init__(self, graph_saves: bool) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 4)
+        self.act = torch.square if graph_saves else torch.relu  # relu saves its output: no site
+
+    @torch.compiler.disable
+    def island(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.b(h))  # saves h and tanh's output, eagerly
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.island(self.act(self.a(x))))
+
+
+@pytest.mark.parametrize("graph_saves", [True, False])
+def test_eager_saves_in_a_compiled_forward_are_kept_and_warned_once(graph_saves: bool) -> None:
+    """The saves of eager code between compiled graphs are kept, with one warning. When no
+    compiled graph has saved through GACT's hooks (as every graph on a torch that does not
+    trace them: 2.11 on the GPU machine), the warning says compiling may save nothing here and
+    which torch traces them."""
+    torch.manual_seed(0)
+    model = _EagerIsland(graph_saves)
+    run = torch.compile(model, backend="aot_eager")
+    expected = "graph breaks" if graph_saves else re.escape(f"this torch ({torch.__version__})")
+    with Controller(run, GactConfig.from_level("L1", min_numel=0)) as controller:
+        with pytest.warns(GactWarning, match=expected) as record:
+            for _ in range(2):
+                run(torch.randn(8, 16)).sum().backward()
+                controller.step()
+    assert sum(issubclass(w.category, GactWarning) for w in record) == 1
+    records = controller.ledger.last
+    eager = [r for k, r in records.items() if k.startswith("<root>#")]  # root-only hooks
+    assert len(eager) == 2 and all(r.kind is Kind.KEPT for r in eager)  # h, tanh's output
+    sites = [r for k, r in records.items() if "@" in k]
+    assert len(sites) == graph_saves and all(r.kind is Kind.QUANTIZED for r in sites)
 
 
 def test_payloads_live_as_long_as_the_graph() -> None:

@@ -182,8 +182,8 @@ class Controller:
                     "first (one model, one controller; nested models may have one each)"
                 )
         self.parameter_filter.refresh()
-        compiled = self._compiled or getattr(self.model, "_compiled_call_impl", None) is not None
-        self.tracker.attach(root_only=compiled)  # see NOTE [Compiled forwards] in scope.py
+        is_compiled = self._compiled or getattr(self.model, "_compiled_call_impl", None) is not None
+        self.tracker.attach(root_only=is_compiled)  # see NOTE [Compiled forwards] in scope.py
         context = torch.autograd.graph.saved_tensors_hooks(*self.hooks.modules)
         context.__enter__()
         self._context = context
@@ -269,6 +269,18 @@ class Controller:
         self._unpacked_at_forward = self.hooks.unpacked
 
     def _on_compiled(self) -> None:
+        if not self.hooks.compiled_sites:
+            self._warn_once(
+                "compile",
+                "the model's forward is compiled (torch.compile) and saved tensors eagerly, and "
+                "none of its compiled graphs has saved a tensor through GACT's hooks: GACT keeps "
+                "these saves as they are. If the graphs do save tensors, this torch "
+                f"({torch.__version__}) does not trace saved-tensor hooks into them (torch 2.11 "
+                "breaks the graph inside them; 2.13 traces them), so compiling saves no "
+                "activation memory here: use torch 2.13 or later, or train the model uncompiled "
+                "under GACT",
+            )
+            return
         self._warn_once(
             "compile",
             "the model's forward is compiled (torch.compile) and eager code between its "

@@ -1,0 +1,246 @@
+"""The runtime on a CUDA device: unbiased gradients, every level (L3's swap moves bytes and
+nothing else), the allocator's peak, autocast with a gradient scaler, and compiled graphs.
+
+These run only where torch sees a GPU and gact-kernels was built with its CUDA module; CI has
+none, so they run in the device checks (``.ci/gpu-check``), whose results BENCHMARKS.md records.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+
+import gact_kernels
+import pytest
+import torch
+import torch.nn.functional as F
+from gact import Controller, GactConfig, GactWarning
+from runtime_helpers import grads_of, relative_error
+from torch import nn
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or not gact_kernels.compiled_with_cuda(),
+    reason="needs a CUDA device and the gact_kernels._cuda module",
+)
+
+CUDA = torch.device("cuda")
+
+
+def _conv_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.GELU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10),
+    ).to(CUDA)  # fmt: skip
+
+
+def _batch(n: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator(device=CUDA).manual_seed(1)
+    x = torch.randn(n, 3, 16, 16, device=CUDA, generator=gen)
+    return x, torch.randint(0, 10, (n,), device=CUDA, generator=gen)
+
+
+def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    model.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    return loss.detach()
+
+
+def test_gradient_is_unbiased_on_cuda() -> None:
+    """Same statement as test_gradients' CPU test: the last layer's weight gradient is linear in
+    its saved input, so its mean over 200 rounding seeds lies within 5 standard errors of the
+    fp32 gradient (false-alarm probability < 1e-6 per element)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 8)).to(CUDA)
+    x, c = torch.randn(128, 32, device=CUDA), torch.randn(128, 8, device=CUDA)
+
+    def closure() -> None:
+        model.zero_grad()
+        (model(x) * c).sum().backward()
+
+    closure()
+    exact = model[2].weight.grad.clone()
+    samples = []
+    for seed in range(200):
+        with Controller(model, GactConfig.from_level("L1.2", min_numel=0, seed=seed)) as ctl:
+            ctl.iterate(closure)
+        assert ctl.stats()["compressed_tensors"] >= 2
+        samples.append(model[2].weight.grad.clone())
+    stack = torch.stack(samples).double()
+    mean, std = stack.mean(0), stack.std(0)
+    assert float(std.max()) > 0  # the 2-bit rounding really is random on the GPU
+    stderr = std / math.sqrt(len(samples))
+    assert bool(((mean - exact.double()).abs() <= 5 * stderr + 1e-9).all())
+
+
+@pytest.mark.parametrize("level", ["L0", "L1", "L1.1", "L2", "L3"])
+def test_every_level_trains_on_cuda(level: str) -> None:
+    model = _conv_net()
+    x, y = _batch()
+    _step(model, x, y)
+    reference = grads_of(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    with Controller(model, GactConfig.from_level(level, min_numel=0, adapt_interval=2)) as ctl:
+        for _ in range(6):
+            losses.append(float(ctl.iterate(lambda: _step(model, x, y))))
+            optimizer.step()
+        stats = ctl.stats()
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+    if level == "L0":
+        assert stats["compressed_tensors"] == 0
+        return
+    assert stats["compressed_tensors"] >= 4 and stats["ratio"] > 2
+    if level == "L1.1":  # 8 bits: the first step's gradient is close to fp32's
+        model2 = _conv_net()
+        with Controller(model2, GactConfig.from_level(level, min_numel=0)) as ctl2:
+            ctl2.iterate(lambda: _step(model2, x, y))
+        assert relative_error(grads_of(model2), reference) < 0.05
+
+
+@torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True)
+def test_swap_moves_bytes_and_nothing_else() -> None:
+    """L3 = L2 + payloads waiting in pinned host memory: with the same seed the gradients are
+    bit-identical to L2's (cuDNN's deterministic algorithms: its default ones sum a convolution's
+    weight gradient in a varying order), and the device holds less between forward and
+    backward."""
+    x, y = _batch(64)
+    grads, held = {}, {}
+    for level in ("L2", "L3"):
+        model = _conv_net()
+        config = GactConfig.from_level(level, min_numel=0, seed=3, adapt_interval=10**6)
+        with Controller(model, config) as ctl:
+            ctl.iterate(functools.partial(_step, model, x, y))  # step 0 at the default bits
+            model.zero_grad()
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            loss = F.cross_entropy(model(x), y)
+            torch.cuda.synchronize()
+            torch.empty(1, device=CUDA)  # the allocator frees blocks whose side-stream use ended
+            held[level] = torch.cuda.memory_allocated() - before
+            loss.backward()
+            ctl.step()
+        grads[level] = grads_of(model)
+    for a, b in zip(grads["L2"], grads["L3"]):
+        assert torch.equal(a, b)
+    assert held["L3"] < 0.7 * held["L2"], held
+
+
+def _mlp(width: int, depth: int) -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.GELU()]
+    return nn.Sequential(*layers, nn.Linear(width, 10)).to(CUDA)
+
+
+def _activation_peak(level: str | None) -> int:
+    """The CUDA allocator's peak over one training step, above what was allocated before it."""
+    model = _mlp(1024, 8)
+    x = torch.randn(4096, 1024, device=CUDA)
+    y = torch.randint(0, 10, (4096,), device=CUDA)
+    _step(model, x, y)  # gradients allocated: the peak below is the step's own
+    controller = None if level is None else Controller(model, GactConfig.from_level(level))
+    if controller is not None:
+        controller.install_hook()
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        _step(model, x, y)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    finally:
+        if controller is not None:
+            controller.uninstall_hook()
+
+
+def test_allocator_peak_falls_with_compressed_saves() -> None:
+    """8 GELU blocks of 4096 x 1024: fp32 saves 2 x 16 MiB per block; L1 stores 4 bits."""
+    fp32, l1 = _activation_peak(None), _activation_peak("L1")
+    assert l1 < 0.45 * fp32, (fp32, l1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_autocast_with_gradient_scaler(dtype: torch.dtype) -> None:
+    x, y = _batch(64)
+    runs = {}
+    for level in (None, "L1.1", "L2"):
+        model = _conv_net()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
+        ctl = None if level is None else Controller(model, GactConfig.from_level(level, seed=0))
+        if ctl is not None:
+            ctl.install_hook()
+        try:
+            losses = []
+            for _ in range(8):
+                with torch.autocast("cuda", dtype=dtype):
+                    loss = F.cross_entropy(model(x), y)
+                optimizer.zero_grad()
+                scaler.scale(loss).backward()
+                if not losses:
+                    first = grads_of(model)
+                scaler.step(optimizer)
+                scaler.update()
+                losses.append(float(loss))
+                if ctl is not None:
+                    ctl.step()
+            if ctl is not None:
+                records = ctl.ledger.last
+                assert any(
+                    r.dtype == dtype and r.kind.value == "quantized" for r in records.values()
+                )
+        finally:
+            if ctl is not None:
+                ctl.uninstall_hook()
+        assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
+        runs[level] = first
+    assert relative_error(runs["L1.1"], runs[None]) < 0.05
+    assert relative_error(runs["L2"], runs[None]) < 0.5
+
+
+def test_compiled_model_on_cuda() -> None:
+    """An inductor-compiled CNN on the GPU trains with compressed saves inside its graphs. A
+    torch before 2.13 may not trace GACT's hooks into graphs (2.11 does not, seen on an H200):
+    then it trains as compiled fp32 does, every save kept, and says so once."""
+    traces = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 13)
+    x, y = _batch(32)
+    start = [p.detach().clone() for p in _conv_net().parameters()]
+    weights = {}
+    for level in (None, "L1"):
+        torch._dynamo.reset()
+        model = _conv_net()
+        compiled_model = torch.compile(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        ctl = None if level is None else Controller(compiled_model, GactConfig.from_level(level))
+        if ctl is not None:
+            ctl.install_hook()
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", GactWarning)
+                for _ in range(3):
+                    _step(compiled_model, x, y)
+                    optimizer.step()
+                    if ctl is not None:
+                        ctl.step()
+            if ctl is not None:
+                traced = bool(ctl.hooks.compiled_sites)
+                assert traced or not traces
+            if ctl is not None and traced:
+                assert ctl.stats()["ratio"] > 1.2  # inductor keeps the stem conv (issue 21)
+                assert any("@" in key for key in ctl.ledger.last)
+            elif ctl is not None:
+                assert ctl.stats()["ratio"] == 1.0
+                said = [str(w.message) for w in caught if w.category is GactWarning]
+                assert len(said) == 1 and "does not trace saved-tensor hooks" in said[0]
+        finally:
+            if ctl is not None:
+                ctl.uninstall_hook()
+        weights[level] = [p.detach() for p in model.parameters()]
+    moved = [w - s for w, s in zip(weights[None], start)]
+    error = relative_error([w - s for w, s in zip(weights["L1"], start)], moved)
+    assert error < (0.2 if traced else 1e-3)
