@@ -143,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     models = parse_models(args.models)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        p.error(
+        raise ValueError(
             f"--device {args.device}: torch.cuda.is_available() is False here; use --device cpu"
         )
     levels = [lv.strip() for lv in args.levels.split(",") if lv.strip()]

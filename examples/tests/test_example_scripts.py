@@ -275,6 +275,22 @@ def test_workloads_train_evaluate_and_name_their_blocks(data_root, name):
     assert work.blocks and all(work.model.get_submodule(b) is not None for b in work.blocks)
 
 
+@pytest.mark.parametrize("name", ["bert", "resnet18", "char-gpt", "mnist", "gcn", "encoder6"])
+def test_workloads_live_on_the_device_given(data_root, name):
+    """Every input, label, mask and graph of a workload follows its model to ``device`` (the
+    meta device stands in for a GPU: one CPU tensor left in a step would raise). Not GPT-2:
+    transformers' loss calls ``.item()``, which meta tensors cannot answer; its windows come
+    from the same device-resident corpus as BERT's and char-GPT's."""
+    from gact_examples.workloads import workload
+
+    work = workload(name, str(data_root), "meta")
+    assert all(p.device.type == "meta" for p in work.model.parameters())
+    loss = work.loss(3)
+    assert loss.device.type == "meta" and loss.requires_grad
+    loss.backward()
+    assert all(p.grad is None or p.grad.device.type == "meta" for p in work.model.parameters())
+
+
 def test_workloads_reject_unknown_models(data_root):
     from gact_examples.workloads import workload
 
@@ -297,6 +313,9 @@ def test_speed_bench(data_root, tmp_path, script):
     assert table.splitlines()[2].startswith("| gcn | ") and "(worst " in table
     with pytest.raises(ValueError, match=r"unknown model\(s\) \['nomodel'\]"):
         script("speed_bench.py").main(["--data", str(data_root), "--models", "nomodel"])
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"--device cuda: torch\.cuda\.is_available"):
+            script("speed_bench.py").main(["--data", str(data_root), "--device", "cuda"])
 
 
 def test_speed_bench_compiled(data_root, script):
