@@ -13,6 +13,10 @@ Per model (``gact_examples.workloads``: the ResNet-18 layout on CIFAR-10, GPT-2 
 - the median step time after the warm-up (compile's first step is timed apart), and the held-out
   loss and accuracy after the last step.
 
+With ``--device cuda`` the model and batches live on the GPU, every step is timed between two
+synchronisations, and ``live`` is the CUDA allocator's peak during the profiled step over what
+was allocated before it (``max_memory_allocated``); ``rss`` then measures the host process only.
+
 Methods (``METHODS``): ``fp32``; ``ckpt``, ``torch.utils.checkpoint`` (non-reentrant) around every
 block (ResNet's BasicBlocks, GPT-2's layers, the GCN's convolutions); ``selective``, selective
 activation checkpointing around every block that saves the outputs of matrix products and
@@ -20,7 +24,9 @@ convolutions and recomputes the rest; ``budget``, ``torch.compile`` with
 ``torch._functorch.config.activation_memory_budget = 0.5``; GACT ``L1``, ``L2``, ``L2.2``; and GACT
 with every block checkpointed, ``L1+ckpt`` and ``L2+ckpt`` (GACT compresses what is saved outside
 the blocks and keeps the blocks' inputs, NOTE [Checkpointed regions] in gact/saved.py) and
-``L1+ckpt+ci`` (``compress_checkpoint_inputs=True``: the blocks' inputs compressed too).
+``L1+ckpt+ci`` (``compress_checkpoint_inputs=True``: the blocks' inputs compressed too). On CUDA
+also ``offload``, ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` around the whole step
+(every saved tensor waits in pinned host memory), and GACT ``L3`` (L2's payloads wait there).
 
     python examples/compare.py --data ../shared/data --json compare.json \\
         --plot plots/compare.png          # = nox -s "bench(compare)"
@@ -46,7 +52,8 @@ from torch import nn
 
 MODELS = ("resnet18", "gpt2", "gcn", "encoder6")
 METHODS = ("fp32", "ckpt", "selective", "budget", "L1", "L2", "L2.2", "L1+ckpt", "L2+ckpt",
-           "L1+ckpt+ci")  # fmt: skip
+           "L1+ckpt+ci", "offload", "L3")  # fmt: skip
+CUDA_ONLY = ("offload", "L3")  # offload is a CUDA method; L3 behaves as L2 on the CPU
 STEPS = {"resnet18": 30, "gpt2": 30, "gcn": 100, "encoder6": 10}
 WARMUP = 2  # steps before the profiled step and the timed ones (compile compiles in the first)
 
@@ -95,7 +102,9 @@ def selective_context() -> Any:
     return create_selective_checkpoint_contexts(policy)
 
 
-def worker(model_name: str, method: str, steps: int, data: str) -> dict[str, Any]:
+def worker(
+    model_name: str, method: str, steps: int, data: str, device: str = "cpu"
+) -> dict[str, Any]:
     """One run in this process (see the module docstring)."""
     from gact import Controller, GactConfig
     from gact_examples.memory import live_tensor_peak, status_bytes
@@ -103,8 +112,12 @@ def worker(model_name: str, method: str, steps: int, data: str) -> dict[str, Any
 
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+    cuda = torch.device(device).type == "cuda"
+    if method in CUDA_ONLY and not cuda:
+        raise ValueError(f"method {method!r} runs on CUDA only (--device cuda)")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     torch.manual_seed(0)
-    work = workload(model_name, data)
+    work = workload(model_name, data, device)
     if method == "ckpt" or "+ckpt" in method:
         checkpoint_blocks(work.model, work.blocks)
     elif method == "selective":
@@ -122,7 +135,12 @@ def worker(model_name: str, method: str, steps: int, data: str) -> dict[str, Any
 
     def train(i: int) -> None:
         def closure() -> torch.Tensor:
-            loss = work.loss(i)
+            with (
+                torch.autograd.graph.save_on_cpu(pin_memory=True)
+                if method == "offload"
+                else (contextlib.nullcontext())
+            ):
+                loss = work.loss(i)
             work.optimizer.zero_grad()
             loss.backward()
             return loss
@@ -139,10 +157,15 @@ def worker(model_name: str, method: str, steps: int, data: str) -> dict[str, Any
     with controller if controller is not None else contextlib.nullcontext():
         for i in range(steps):
             if i == WARMUP:
-                _, live = live_tensor_peak(lambda i=i: train(i))
+                if cuda:
+                    live = _cuda_step_peak(lambda i=i: train(i))
+                else:
+                    _, live = live_tensor_peak(lambda i=i: train(i))
                 continue
+            sync()
             start = time.perf_counter()
             train(i)
+            sync()
             spent = time.perf_counter() - start
             if i == 0:
                 first = spent
@@ -153,6 +176,7 @@ def worker(model_name: str, method: str, steps: int, data: str) -> dict[str, Any
     return {
         "model": model_name,
         "method": method,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
         "steps": steps,
         "rss_bytes": peak,
         "live_bytes": live,
@@ -160,6 +184,16 @@ def worker(model_name: str, method: str, steps: int, data: str) -> dict[str, Any
         "first_step_s": first,
         **metrics,
     }
+
+
+def _cuda_step_peak(step: Callable[[], None]) -> int:
+    """The CUDA allocator's peak during ``step`` over what was allocated before it."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
 
 
 def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -171,7 +205,7 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
             for method in args.methods:
                 out = Path(tmp) / "record.json"
                 options = ["--worker", model, method, "--data", args.data, "--json", str(out)]
-                options += ["--steps", str(args.steps or STEPS[model])]
+                options += ["--steps", str(args.steps or STEPS[model]), "--device", args.device]
                 rec = run_json(
                     python_command(Path(__file__), [*options, "--threads", str(args.threads)]), out
                 )
@@ -301,7 +335,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", required=True)
     p.add_argument("--models", default=",".join(MODELS))
-    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--methods", default=None, help="default: all (CUDA_ONLY ones on CUDA)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument("--steps", type=int, default=None, help=f"default per model: {STEPS}")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None)
@@ -310,10 +345,15 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.worker:
-        record = worker(*args.worker, args.steps or STEPS[args.worker[0]], args.data)
+        record = worker(*args.worker, args.steps or STEPS[args.worker[0]], args.data, args.device)
         if args.json:
             Path(args.json).write_text(json.dumps(record))
         return [record]
+    cuda = torch.device(args.device).type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: torch.cuda.is_available() is False here")
+    if args.methods is None:
+        args.methods = ",".join(m for m in METHODS if cuda or m not in CUDA_ONLY)
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = sorted(set(args.models) - set(MODELS)) + sorted(set(args.methods) - set(METHODS))
@@ -322,6 +362,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             f"unknown model(s) or method(s) {unknown}; models: {', '.join(MODELS)}; methods: "
             f"{', '.join(METHODS)}"
         )
+    if not cuda and set(args.methods) & set(CUDA_ONLY):
+        raise ValueError(f"methods {', '.join(CUDA_ONLY)} run on CUDA only (--device cuda)")
     if args.steps is not None and args.steps <= WARMUP + 1:
         raise ValueError(f"--steps must exceed {WARMUP + 1} (warm-up, profiled and timed steps)")
     if "fp32" not in args.methods:

@@ -372,6 +372,14 @@ def test_compare(data_root, tmp_path, script):
     assert text.count("| gcn |") == 5 and "*" in text
     with pytest.raises(ValueError, match=r"unknown model\(s\) or method\(s\) \['nomethod'\]"):
         compare.main(["--data", str(data_root), "--methods", "nomethod"])
+    # offloading and L3 are GPU methods: asked for on the CPU, they are refused up front
+    with pytest.raises(ValueError, match="offload, L3 run on CUDA only"):
+        compare.main(["--data", str(data_root), "--methods", "fp32,offload"])
+    with pytest.raises(ValueError, match="'L3' runs on CUDA only"):
+        compare.worker("gcn", "L3", 4, str(data_root))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"--device cuda: torch\.cuda\.is_available"):
+            compare.main(["--data", str(data_root), "--device", "cuda"])
 
 
 def test_checkpoint_blocks_wraps_the_named_modules(script):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import weakref
 
 import gact
 import gact_policy
@@ -145,9 +146,38 @@ def test_closure_without_backward_is_an_error_and_controller_stays_usable() -> N
         with pytest.raises(ClosureError, match=r"loss\.backward"):
             controller.iterate(no_backward)
         controller.iterate(make_closure(model, x, y))
+        with pytest.raises(ClosureError):  # gradients set to None are no backward either
+            controller.iterate(no_backward)
+        controller.iterate(make_closure(model, x, y))
         assert controller.stats()["compressed_tensors"] > 0
     with pytest.raises(TypeError, match="callable"):
         controller.run_closure(42)  # type: ignore[arg-type]
+
+
+def test_iterate_holds_no_gradient_of_the_last_step() -> None:
+    """``iterate`` checks that the closure ran a backward without keeping last step's gradients
+    alive: ``zero_grad()`` frees them as it would without GACT (on the H200, a held copy of
+    ResNet-18's 45 MiB of gradients made GACT's step peak 1.6x fp32's)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    x = torch.randn(16, 64)
+    freed = []
+
+    def closure() -> torch.Tensor:
+        loss = model(x).square().mean()
+        old = [weakref.ref(p.grad) for p in model.parameters() if p.grad is not None]
+        model.zero_grad(set_to_none=True)
+        freed.append(bool(old) and all(ref() is None for ref in old))
+        loss.backward()
+        return loss
+
+    closure()
+    with Controller(model, GactConfig.from_level("L1", min_numel=0)) as controller:
+        for _ in range(2):
+            controller.iterate(closure)
+        with pytest.raises(ClosureError):  # the check still tells a closure without backward
+            controller.iterate(lambda: model(x).sum())
+    assert freed == [False, True, True]  # the first call had no gradients yet
 
 
 def test_exception_in_closure_leaves_controller_consistent() -> None:

@@ -355,14 +355,18 @@ class Controller:
         if not callable(closure):
             raise TypeError(f"closure must be callable, got {type(closure).__name__}")
         before = self.hooks.unpacked
+        # Weak references: a strong one would keep last step's gradients alive through the
+        # closure's zero_grad(), one more copy of every gradient at the step's peak.
         grads = [
-            (p.grad, None if p.grad is None else p.grad._version) for p in self.model.parameters()
+            (None, None) if p.grad is None else (weakref.ref(p.grad), p.grad._version)
+            for p in self.model.parameters()
         ]
         result = closure()
-        if self.hooks.unpacked == before and all(
-            p.grad is g and (g is None or g._version == v)
-            for p, (g, v) in zip(self.model.parameters(), grads)
-        ):
+        wrote_grads = any(
+            p.grad is not None and (ref is None or ref() is not p.grad or p.grad._version != v)
+            for p, (ref, v) in zip(self.model.parameters(), grads)
+        )
+        if self.hooks.unpacked == before and not wrote_grads:
             raise ClosureError(
                 "the closure did not run a backward pass: it must compute the loss and call "
                 "loss.backward() (after optimizer.zero_grad())"
