@@ -6,9 +6,16 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
+import gact_kernels
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+requires_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available() or not gact_kernels.compiled_with_cuda(),
+    reason="needs a CUDA device and the gact_kernels._cuda module",
+)
 
 
 def grads_of(model: nn.Module) -> list[torch.Tensor]:

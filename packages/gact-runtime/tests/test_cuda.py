@@ -1,5 +1,6 @@
-"""The runtime on a CUDA device: unbiased gradients, every level (L3's swap moves bytes and
-nothing else), the allocator's peak, autocast with a gradient scaler, and compiled graphs.
+"""The runtime on a CUDA device: every level (L3's swap moves bytes and nothing else), the
+allocator's peak, autocast with a gradient scaler, and compiled graphs (unbiased gradients on
+CUDA: test_gradients.py, parametrized by device).
 
 These run only where torch sees a GPU and gact-kernels was built with its CUDA module; CI has
 none, so they run in the device checks (``.ci/gpu-check``), whose results BENCHMARKS.md records.
@@ -11,18 +12,14 @@ import functools
 import math
 import warnings
 
-import gact_kernels
 import pytest
 import torch
 import torch.nn.functional as F
 from gact import Controller, GactConfig, GactWarning
-from runtime_helpers import grads_of, relative_error
+from runtime_helpers import grads_of, relative_error, requires_cuda
 from torch import nn
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() or not gact_kernels.compiled_with_cuda(),
-    reason="needs a CUDA device and the gact_kernels._cuda module",
-)
+pytestmark = requires_cuda
 
 CUDA = torch.device("cuda")
 
@@ -47,33 +44,6 @@ def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     loss = F.cross_entropy(model(x), y)
     loss.backward()
     return loss.detach()
-
-
-def test_gradient_is_unbiased_on_cuda() -> None:
-    """Same statement as test_gradients' CPU test: the last layer's weight gradient is linear in
-    its saved input, so its mean over 200 rounding seeds lies within 5 standard errors of the
-    fp32 gradient (false-alarm probability < 1e-6 per element)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 8)).to(CUDA)
-    x, c = torch.randn(128, 32, device=CUDA), torch.randn(128, 8, device=CUDA)
-
-    def closure() -> None:
-        model.zero_grad()
-        (model(x) * c).sum().backward()
-
-    closure()
-    exact = model[2].weight.grad.clone()
-    samples = []
-    for seed in range(200):
-        with Controller(model, GactConfig.from_level("L1.2", min_numel=0, seed=seed)) as ctl:
-            ctl.iterate(closure)
-        assert ctl.stats()["compressed_tensors"] >= 2
-        samples.append(model[2].weight.grad.clone())
-    stack = torch.stack(samples).double()
-    mean, std = stack.mean(0), stack.std(0)
-    assert float(std.max()) > 0  # the 2-bit rounding really is random on the GPU
-    stderr = std / math.sqrt(len(samples))
-    assert bool(((mean - exact.double()).abs() <= 5 * stderr + 1e-9).all())
 
 
 @pytest.mark.parametrize("level", ["L0", "L1", "L1.1", "L2", "L3"])

@@ -8,7 +8,7 @@ import pytest
 import torch
 from gact import Controller, GactConfig
 from models import CASES, make_case
-from runtime_helpers import grads_of, make_closure, relative_error
+from runtime_helpers import grads_of, make_closure, relative_error, requires_cuda
 from torch import nn
 
 
@@ -28,7 +28,8 @@ def test_eight_bits_is_close_to_fp32(case: str) -> None:
     assert errors["L1.1"] < errors["L1.2"]  # fewer bits, more noise: the test can tell
 
 
-def test_compressed_gradient_is_unbiased() -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+def test_compressed_gradient_is_unbiased(device: str) -> None:
     """The last layer's weight gradient is linear in its saved input, so E[g] = g exactly.
 
     For each element, the mean over N seeds must lie within 5 standard errors of the fp32
@@ -36,9 +37,9 @@ def test_compressed_gradient_is_unbiased() -> None:
     so a biased rounding (e.g. round-to-nearest) fails it.
     """
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 8))
-    x = torch.randn(128, 32)
-    c = torch.randn(128, 8)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 8)).to(device)
+    x = torch.randn(128, 32, device=device)
+    c = torch.randn(128, 8, device=device)
 
     def closure() -> None:
         model.zero_grad()
