@@ -15,7 +15,8 @@ Per model (``gact_examples.workloads``: the ResNet-18 layout on CIFAR-10, GPT-2 
 
 With ``--device cuda`` the model and batches live on the GPU, every step is timed between two
 synchronisations, and ``live`` is the CUDA allocator's peak during the profiled step over what
-was allocated before it (``max_memory_allocated``); ``rss`` then measures the host process only.
+was allocated before it (``max_memory_allocated``), with the allocator's reserved peak beside it
+(``reserved_bytes`` in the JSON record); ``rss`` then measures the host process only.
 
 Methods (``METHODS``): ``fp32``; ``ckpt``, ``torch.utils.checkpoint`` (non-reentrant) around every
 block (ResNet's BasicBlocks, GPT-2's layers, the GCN's convolutions); ``selective``, selective
@@ -153,12 +154,12 @@ def worker(
 
     baseline = status_bytes("VmRSS")
     times, first = [], 0.0
-    live = 0
+    live, reserved = 0, None
     with controller if controller is not None else contextlib.nullcontext():
         for i in range(steps):
             if i == WARMUP:
                 if cuda:
-                    live = _cuda_step_peak(lambda i=i: train(i))
+                    live, reserved = _cuda_step_peak(lambda i=i: train(i))
                 else:
                     _, live = live_tensor_peak(lambda i=i: train(i))
                 continue
@@ -180,20 +181,22 @@ def worker(
         "steps": steps,
         "rss_bytes": peak,
         "live_bytes": live,
+        "reserved_bytes": reserved,
         "step_s": statistics.median(times),
         "first_step_s": first,
         **metrics,
     }
 
 
-def _cuda_step_peak(step: Callable[[], None]) -> int:
-    """The CUDA allocator's peak during ``step`` over what was allocated before it."""
+def _cuda_step_peak(step: Callable[[], None]) -> tuple[int, int]:
+    """The CUDA allocator's peak during ``step`` over what was allocated before it, and the
+    peak it reserved from the driver then (its own fragmentation included)."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     step()
     torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
+    return torch.cuda.max_memory_allocated() - base, torch.cuda.max_memory_reserved()
 
 
 def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
