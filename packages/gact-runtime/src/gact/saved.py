@@ -392,12 +392,9 @@ class SaveHooks:
             rows_id=id(tensor) if site.row_length else None,
             row_length=site.row_length,
         )
-        compresses = self.plan.config.spec.compresses and tensor.layout is torch.strided
-        compact = _compact(tensor) if compresses else None
-        kind = self._treatment(key, tensor, compact, spec, inside=True)
+        kind, compact = self._classify(key, tensor, spec, inside=True, exact=False)
         if kind is not None:
-            bits = tensor.element_size() * 8 if kind is Kind.KEPT and self._full(key) else None
-            self.ledger.record(key, tensor, kind, bits, None)
+            self._record_kept(key, tensor, kind)
             # the compiled code reuses the buffer once its save is packed: hold a copy
             return SavedKept(tensor.clone(), key)
         saved = self._compress(key, tensor, compact, spec)
@@ -447,20 +444,36 @@ class SaveHooks:
             if spec is not None and spec.predicates and isinstance(hit, SavedCompressed):
                 self._decide(hit, tensor, spec)
             return hit
-        compresses = self.plan.config.spec.compresses and tensor.layout is torch.strided
-        compact = _compact(tensor) if compresses else None
-        kind = Kind.KEPT if exact else self._treatment(key, tensor, compact, spec, inside)
+        kind, compact = self._classify(key, tensor, spec, inside=inside, exact=exact)
         if kind is not None:
-            bits = tensor.element_size() * 8 if kind is Kind.KEPT and self._full(key) else None
             saved: Saved = SavedKept(tensor, key)
             self.live.add(tensor, saved, self.tracker.generation)
-            self.ledger.record(key, tensor, kind, bits, None)  # stored as it is
+            self._record_kept(key, tensor, kind)
             return saved
         return self._compress(key, tensor, compact, spec)
 
-    def _full(self, key: str) -> bool:
-        """Whether the allocation keeps ``key`` at full precision."""
-        return self.plan.config.spec.compresses and self.plan.bits_for(key) is None
+    def _classify(
+        self,
+        key: str,
+        tensor: torch.Tensor,
+        spec: DecisionSpec | None,
+        *,
+        inside: bool,
+        exact: bool,
+    ) -> tuple[Kind | None, torch.Tensor | None]:
+        """The kind of a save kept as it is (``None``: compressed), and ``_compact(tensor)``
+        where the level compresses."""  # fmt: skip
+        compresses = self.plan.config.spec.compresses and tensor.layout is torch.strided
+        compact = _compact(tensor) if compresses else None
+        kind = Kind.KEPT if exact else self._treatment(key, tensor, compact, spec, inside)
+        return kind, compact
+
+    def _record_kept(self, key: str, tensor: torch.Tensor, kind: Kind) -> None:
+        """The ledger entry of a save stored as it is (its dtype's width if the allocation
+        keeps its key at full precision)."""
+        full = self.plan.config.spec.compresses and self.plan.bits_for(key) is None
+        bits = tensor.element_size() * 8 if kind is Kind.KEPT and full else None
+        self.ledger.record(key, tensor, kind, bits, None)
 
     def _treatment(
         self,
