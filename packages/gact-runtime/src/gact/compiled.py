@@ -156,8 +156,9 @@ def pack_traced(hooks: SaveHooks, tensor: torch.Tensor, context: dict[str, Any])
             _SITES.append(entry)
         node.meta["gact_site"] = site
         hooks.traced(entry)
-        if entry.keep is None:
-            _PENDING.append(context["_bw_graph"])
+        graph = context["_bw_graph"]
+        if entry.keep is None and not any(g is graph for g in _PENDING):
+            _PENDING.append(graph)  # once per graph, however many sites it has
         add_kept(entry)
     if _SITES[site].keep is not None:
         return tensor
