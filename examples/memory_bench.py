@@ -15,7 +15,9 @@ after the first step, and what GACT saved and stored per step. Allocators:
   object is not found; Debian's ``libtcmalloc-minimal4`` and ``libjemalloc2``).
 
 Models: ``gact_examples.workloads.MODELS`` (GPT-2 and BERT from ``transformers`` configs, the
-ResNet-18 layout, the char-GPT and MNIST examples' memory configurations, on real data).
+ResNet-18 layout, the char-GPT and MNIST examples' memory configurations, on real data). With
+``--compile BACKEND`` each process compiles its model in place (``nn.Module.compile``) before the
+controller sees it; compile's own memory is then in every level's peak, the first step compiles.
 
     python examples/memory_bench.py --data ../shared/data --json memory_bench.json \\
         --plot plots/memory_bench.png
@@ -60,13 +62,17 @@ def allocator_env(name: str) -> dict[str, str] | None:
     return None
 
 
-def worker(model_name: str, level: str, steps: int, data: str) -> dict[str, Any]:
+def worker(
+    model_name: str, level: str, steps: int, data: str, backend: str | None = None
+) -> dict[str, Any]:
     """One run in this process (see the module docstring)."""
     import torch
     from gact import Controller, GactConfig
 
     torch.manual_seed(0)
     work = workload(model_name, data)
+    if backend is not None:
+        work.model.compile(backend=backend)
     controller = Controller(work.model, GactConfig.from_level(level))
     baseline = status_bytes("VmRSS")
     times = []
@@ -87,6 +93,7 @@ def worker(model_name: str, level: str, steps: int, data: str) -> dict[str, Any]
     return {
         "model": model_name,
         "level": level,
+        "compile": backend,
         "steps": steps,
         "baseline_bytes": baseline,
         "peak_growth_bytes": status_bytes("VmHWM") - baseline,
@@ -107,6 +114,7 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
             for level in args.levels.split(","):
                 cmd = [sys.executable, __file__, "--worker", model, level, "--data", args.data]
                 cmd += ["--steps", str(args.steps), "--threads", str(args.threads)]
+                cmd += [] if args.compile is None else ["--compile", args.compile]
                 proc = subprocess.run(
                     cmd, env={**os.environ, **env}, capture_output=True, text=True, check=False
                 )
@@ -204,6 +212,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--allocators", default="default,glibc-tuned,tcmalloc")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--compile", default=None, help="torch.compile backend (inductor, aot_eager)")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
     p.add_argument("--worker", nargs=2, metavar=("MODEL", "LEVEL"), help=argparse.SUPPRESS)
@@ -212,7 +221,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         import torch
 
         torch.set_num_threads(args.threads)
-        print(json.dumps(worker(*args.worker, args.steps, args.data)))
+        print(json.dumps(worker(*args.worker, args.steps, args.data, args.compile)))
         return []
     unknown = set(args.models.split(",")) - set(MODELS)
     if unknown:
