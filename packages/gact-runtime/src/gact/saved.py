@@ -462,7 +462,7 @@ class SaveHooks:
         exact: bool,
     ) -> tuple[Kind | None, torch.Tensor | None]:
         """The kind of a save kept as it is (``None``: compressed), and ``_compact(tensor)``
-        where the level compresses."""  # fmt: skip
+        where the level compresses."""
         compresses = self.plan.config.spec.compresses and tensor.layout is torch.strided
         compact = _compact(tensor) if compresses else None
         kind = Kind.KEPT if exact else self._treatment(key, tensor, compact, spec, inside)
