@@ -12,6 +12,9 @@ With ``--compile BACKEND`` every copy, fp32's included, is compiled in place
 also reported: the CUDA allocator's peak during its steps above what was allocated before them
 (every copy's weights and optimizer state are already there, so this is the step's own memory:
 activations, gradients in flight and the backward's working set), the largest over rounds.
+With ``--profile`` one more step per level runs under ``torch.profiler`` after the rounds: the
+host time of GACT's packs and unpacks per call (its ``gact::pack`` / ``gact::unpack`` ranges),
+their number per step and, on CUDA, the host-device synchronisations and the GPU's busy time.
 
     python examples/speed_bench.py --data ../shared/data --json speed_bench.json
 """
@@ -28,7 +31,7 @@ from typing import Any
 
 import torch
 from gact import Controller, GactConfig
-from gact_examples.workloads import parse_models, workload
+from gact_examples.workloads import Workload, parse_models, workload
 
 LEVELS = ("fp32", "L0", "L1", "L2", "L1.2", "L2.2")
 
@@ -41,9 +44,10 @@ def measure(
     steps: int,
     backend: str | None,
     device: torch.device,
+    profile: bool = False,
 ) -> dict:
-    """Per level: the step times of every round (seconds) and the ratios to fp32's, and on
-    CUDA the step's peak memory (bytes)."""
+    """Per level: the step times of every round (seconds) and the ratios to fp32's, on CUDA
+    the step's peak memory (bytes), and with ``profile`` what one profiled step shows."""
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     runs = {}
@@ -70,12 +74,7 @@ def measure(
             for i in range(steps + 1):  # the first step of a round warms the caches up
                 sync()
                 start = time.perf_counter()
-                loss = work.loss(r * (steps + 1) + i)
-                work.optimizer.zero_grad()
-                loss.backward()
-                work.optimizer.step()
-                if ctl is not None:
-                    ctl.step()
+                _train_step(work, ctl, r * (steps + 1) + i)
                 sync()
                 if i:
                     spent.append(time.perf_counter() - start)
@@ -105,7 +104,71 @@ def measure(
         if cuda:
             result["levels"][level]["peak_bytes"] = peaks[level]
             result["levels"][level]["peak_ratio"] = peaks["fp32"] / max(peaks[level], 1)
+        if profile:
+            work, ctl = runs[level]
+            result["levels"][level]["profile"] = profile_step(work, ctl, rounds * (steps + 1), cuda)
     return result
+
+
+def _train_step(work: Workload, ctl: Controller | None, i: int) -> None:
+    loss = work.loss(i)
+    work.optimizer.zero_grad()
+    loss.backward()
+    work.optimizer.step()
+    if ctl is not None:
+        ctl.step()
+
+
+def profile_step(work: Workload, ctl: Controller | None, i: int, cuda: bool) -> dict[str, float]:
+    """One training step under ``torch.profiler``: GACT's packs and unpacks (count per step,
+    mean host time per call in us, from the ``gact::`` ranges), and on CUDA the host-device
+    synchronisations (``cudaStreamSynchronize`` calls) and the GPU's busy time (ms)."""
+    from torch.profiler import ProfilerActivity
+
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    if ctl is not None:
+        ctl.install_hook()
+    try:
+        with torch.profiler.profile(activities=activities) as prof:
+            _train_step(work, ctl, i)
+            if cuda:
+                torch.cuda.synchronize()
+    finally:
+        if ctl is not None:
+            ctl.uninstall_hook()
+    events = {e.key: e for e in prof.key_averages()}
+    out: dict[str, float] = {}
+    for name in ("pack", "unpack"):
+        event = events.get(f"gact::{name}")
+        out[f"{name}s"] = 0 if event is None else event.count
+        out[f"{name}_us"] = 0.0 if event is None else event.cpu_time_total / event.count
+    if cuda:
+        sync_event = events.get("cudaStreamSynchronize")
+        out["syncs"] = 0 if sync_event is None else sync_event.count
+        gpu_us = sum(
+            e.self_device_time_total
+            for e in events.values()
+            if e.device_type == torch.autograd.DeviceType.CUDA
+        )
+        out["gpu_ms"] = gpu_us / 1e3
+    return out
+
+
+def profile_table(results: list[dict]) -> str:
+    """Per model and GACT level: packs and unpacks per step and their mean host time."""
+    lines = ["| model | level | packs (us each) | unpacks (us each) | syncs | GPU busy |"]
+    lines.append("|---|---|---:|---:|---:|---:|")
+    for res in results:
+        for level, row in res["levels"].items():
+            prof = row.get("profile")
+            if prof is None:
+                continue
+            gpu = f"{prof['gpu_ms']:.2f} ms" if "gpu_ms" in prof else "-"
+            lines.append(
+                f"| {res['model']} | {level} | {prof['packs']} ({prof['pack_us']:.0f}) | "
+                f"{prof['unpacks']} ({prof['unpack_us']:.0f}) | {prof.get('syncs', '-')} | {gpu} |"
+            )
+    return "\n".join(lines)
 
 
 def table(results: list[dict]) -> str:
@@ -138,6 +201,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--compile", default=None, help="torch.compile backend for every copy")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument("--profile", action="store_true", help="profile one step per level after")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     models = parse_models(args.models)
@@ -154,10 +218,14 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     results = []
     for name in models:
         results.append(
-            measure(name, args.data, levels, args.rounds, args.steps, args.compile, device)
+            measure(
+                name, args.data, levels, args.rounds, args.steps, args.compile, device, args.profile
+            )
         )
         print(table(results[-1:]).splitlines()[-1], flush=True)
     print(table(results))
+    if args.profile:
+        print(profile_table(results))
     if args.json:
         meta = {"torch": torch.__version__, "threads": torch.get_num_threads(),
                 "rounds": args.rounds, "steps": args.steps, "compile": args.compile,

@@ -330,6 +330,21 @@ def test_speed_bench(data_root, tmp_path, script):
             script("speed_bench.py").main(["--data", str(data_root), "--device", "cuda"])
 
 
+def test_speed_bench_profile(data_root, script):
+    """speed_bench.py --profile: one profiled step per level, GACT's packs and unpacks counted
+    and timed from its profiler ranges; fp32 has none."""
+    bench = script("speed_bench.py")
+    argv = ["--data", str(data_root), "--models", "mnist", "--levels", "L0,L1", "--rounds", "1"]
+    (res,) = bench.main([*argv, "--steps", "1", "--profile"])
+    fp32, l0, l1 = (res["levels"][lv]["profile"] for lv in ("fp32", "L0", "L1"))
+    assert fp32["packs"] == fp32["unpacks"] == 0
+    assert l1["packs"] >= l1["unpacks"] > 0 and l1["pack_us"] > 0 and l1["unpack_us"] > 0
+    assert l0["packs"] == l1["packs"]  # L0 handles the same saves, only keeps them
+    assert "syncs" not in l1  # CUDA figures only on CUDA
+    text = bench.profile_table([res])
+    assert text.count("| mnist |") == 3 and "| - | - |" in text
+
+
 def test_speed_bench_compiled(data_root, script):
     """speed_bench.py --compile: every copy compiled, fp32's too; GACT's sites compressed."""
     argv = ["--data", str(data_root), "--models", "mnist", "--levels", "L1", "--rounds", "1"]

@@ -397,3 +397,27 @@ def test_a_pooling_cnn_stores_at_least_7x_less_at_4_bits() -> None:
         stats = controller.stats()
         assert stats["decision_mask_bytes"] == 0, level
         assert stats["ratio"] >= 7.0, (level, stats["ratio"])
+
+
+def test_packs_and_unpacks_show_as_profiler_ranges() -> None:
+    """Under torch.profiler every eager pack and unpack is a ``gact::pack`` / ``gact::unpack``
+    range (NOTE [Profiler ranges]): one per save GACT handled and one per unpack, each
+    enclosing the kernel call it made."""
+    model, x, y = make_case("mlp")
+    closure = make_closure(model, x, y)
+    with Controller(model, GactConfig.from_level("L1", min_numel=0)) as controller:
+        controller.iterate(closure)
+        unpacked = controller.hooks.unpacked
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            controller.iterate(closure)
+        stats = controller.stats()
+        saves = sum(r.count for r in controller.ledger.last.values())
+        saves += stats["deduplicated_saves"]
+        unpacks = controller.hooks.unpacked - unpacked
+    events = {e.key: e for e in prof.key_averages()}
+    assert events["gact::pack"].count == saves > 0
+    assert events["gact::unpack"].count == unpacks > 0
+    assert events["gact::pack"].cpu_time_total > 0
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        closure()  # no controller installed: no range
+    assert "gact::pack" not in {e.key for e in prof.key_averages()}

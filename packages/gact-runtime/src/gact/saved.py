@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import contextlib
 import os
 import sys
 import threading
@@ -281,6 +282,22 @@ def _from_checkpoint() -> bool:
     return frame is not None and frame.f_code.co_filename.endswith(_CHECKPOINT_FILE)
 
 
+# NOTE [Profiler ranges]
+# Under ``torch.profiler`` every eager pack and unpack runs inside a ``gact::pack`` /
+# ``gact::unpack`` range, so a trace shows what GACT costs per save beside the ops it wraps
+# (``examples/speed_bench.py --profile`` reads them). Without a profiler the check is one module
+# attribute read per save. Compiled graphs' traced hooks get no range: a range traced into a
+# graph would become part of it.
+_NO_RANGE = contextlib.nullcontext()
+
+
+def _profiled(name: str) -> contextlib.AbstractContextManager[object]:
+    """A profiler range named ``name`` while a profiler runs (NOTE [Profiler ranges])."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(name)
+    return _NO_RANGE
+
+
 # NOTE [Owners]
 # Saved-tensor hooks are thread-local and only the innermost pair is called, so with two
 # controllers installed on one thread the last one's ``pack`` sees every save. A save belongs to
@@ -353,15 +370,17 @@ class SaveHooks:
         context = compiled.tracing_context()
         if context is not None:  # AOTAutograd traces a compiled graph's save
             return tensor if owner is None else compiled.pack_traced(owner, tensor, context)
-        if owner is None:
-            return self.pack_own(tensor, inside=False)
-        return owner.pack_own(tensor, inside=True, region_input=_from_checkpoint())
+        with _profiled("gact::pack"):  # a with block adds no frame: see _from_checkpoint
+            if owner is None:
+                return self.pack_own(tensor, inside=False)
+            return owner.pack_own(tensor, inside=True, region_input=_from_checkpoint())
 
     def unpack(self, saved: Saved | object) -> torch.Tensor:
         if not isinstance(saved, Saved):  # AOTAutograd traces a compiled graph's unpack
             return compiled.unpack_traced(saved, compiled.tracing_context())
         self.unpacked += 1
-        return saved.unpack()
+        with _profiled("gact::unpack"):
+            return saved.unpack()
 
     def forward_started(self) -> None:
         """The controlled model's root forward starts: forget the last forward's saves."""
