@@ -57,6 +57,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--adapt-interval", type=int, default=100, help="steps between adaptations")
+    p.add_argument(
+        "--probe-batch-size",
+        type=int,
+        default=None,
+        help="sensitivity probes replay only this many rows of the micro-batch (default: all)",
+    )
     p.add_argument("--eval-blocks", type=int, default=64, help="held-out blocks to evaluate on")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads on the CPU")
@@ -101,7 +107,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         eos_token_id=0,
     )
     model = GPT2LMHeadModel(config)
-    callback = GactCallback(GactConfig.from_level(args.level, adapt_interval=args.adapt_interval))
+    callback = GactCallback(
+        GactConfig.from_level(args.level, adapt_interval=args.adapt_interval),
+        probe_batch_size=args.probe_batch_size,
+    )
     training = TrainingArguments(
         output_dir=str(args.out.parent / f"{args.out.stem}-trainer"),
         max_steps=args.steps,
@@ -139,6 +148,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "peak_memory_method": meter.method + (" + glibc mmap threshold 128 KiB" if tuned else ""),
         "train_seconds": output.metrics["train_runtime"],
         "adaptations": stats["adaptations"],
+        "adaptation_overhead": stats["adaptation_overhead"],
         "device": str(training.device),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
     }

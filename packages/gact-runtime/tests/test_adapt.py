@@ -200,14 +200,14 @@ def test_memory_budget_needs_an_adaptive_level() -> None:
 # ------------------------------------------------------------- schedule
 
 
-def _adapted_steps(cfg: GactConfig, steps: int) -> list[int]:
+def _adapted_steps(cfg: GactConfig, steps: int, probe_fraction: float = 1.0) -> list[int]:
     model, x, y = make_case("mlp")
     closure = make_closure(model, x, y)
     seen = []
     with Controller(model, cfg) as controller:
         for step in range(steps):
             before = controller.adapter.count
-            controller.iterate(closure)
+            controller.iterate(closure, probe_fraction=probe_fraction)
             if controller.adapter.count > before:
                 seen.append(step)
     return seen
@@ -227,6 +227,20 @@ def test_the_time_budget_delays_adaptations() -> None:
     # probes cost about a step each: a 5% budget cannot afford a second adaptation in 30 steps
     cfg = GactConfig.from_level("L2", min_numel=0, adapt_first_gap=1, adapt_budget=0.05)
     assert _adapted_steps(cfg, 30) == []
+
+
+def test_cheaper_probes_are_afforded_sooner() -> None:
+    """``probe_fraction``: probes on a small share of the batch make the first adaptation's
+    predicted cost small enough for the 5% budget (the schedule of the test above, whose full
+    probes were never afforded); later adaptations are charged what they measured."""
+    cfg = GactConfig.from_level("L2", min_numel=0, adapt_first_gap=1, adapt_budget=0.05)
+    assert _adapted_steps(cfg, 30, probe_fraction=1e-4)[:1] == [1]
+    model, x, y = make_case("mlp")
+    with Controller(model, cfg) as controller:
+        for bad in (0.0, -0.5, 1.5):
+            with pytest.raises(ValueError, match="probe_fraction must be in"):
+                controller.iterate(make_closure(model, x, y), probe_fraction=bad)
+        controller.iterate(make_closure(model, x, y))  # still usable
 
 
 def test_report_shows_estimates_with_their_uncertainty() -> None:

@@ -190,9 +190,10 @@ class Adapter:
         self._items = len(items.keys)
         self.has_prior = True
 
-    def predicted_cost(self, step_seconds: float) -> float:
-        """Seconds of a first adaptation: its probes, each about a training step."""
-        return (gact_policy.min_pair_probes(self._items) + 1) * step_seconds
+    def predicted_cost(self, step_seconds: float, probe_fraction: float = 1.0) -> float:
+        """Seconds of a first adaptation: its probes, each about ``probe_fraction`` of a
+        training step (the probe batch's share of the step's)."""
+        return (gact_policy.min_pair_probes(self._items) + 1) * probe_fraction * step_seconds
 
     def _probe(
         self,

@@ -122,6 +122,7 @@ class Controller:
         if not isinstance(explicit_steps, bool):
             raise TypeError(f"explicit_steps must be a bool, got {explicit_steps!r}")
         self._explicit_steps = explicit_steps  # no automatic steps (NOTE [Steps])
+        self._probe_fraction = 1.0  # the last iterate()'s: predicts a first adaptation's cost
         self._last_boundary = "none"
         self._unpacked_at_forward = 0
         self._unpacked_at_boundary = 0
@@ -299,7 +300,11 @@ class Controller:
 
     # ----------------------------------------------------------------- training
     def iterate(
-        self, closure: Callable[[], T], *, probe_closure: Callable[[], Any] | None = None
+        self,
+        closure: Callable[[], T],
+        *,
+        probe_closure: Callable[[], Any] | None = None,
+        probe_fraction: float = 1.0,
     ) -> T | None:
         """Run one training step's forward and backward, adapting bits when due.
 
@@ -309,13 +314,22 @@ class Controller:
                 ``optimizer.step()``: probes run it again.
             probe_closure: the same on a sub-batch, used for sensitivity probes (default:
                 ``closure``). Probes restore RNG states, buffers, gradients and module modes.
+            probe_fraction: what a probe costs as a share of a training step (``probe_closure``'s
+                batch over the step's), in ``(0, 1]``: it predicts the first adaptation's cost,
+                which decides whether the time budget affords it; later ones are measured.
 
         Returns:
             What ``closure`` returned; ``None`` if the step's forward and backward had already
             run (the original GACT's loop, see NOTE [Steps]) and the closure was not run.
+
+        Raises:
+            ValueError: ``probe_fraction`` is not in ``(0, 1]``.
         """
         if self._context is None:
             raise HookStateError("iterate() called before install_hook()")
+        if not 0.0 < probe_fraction <= 1.0:
+            raise ValueError(f"probe_fraction must be in (0, 1], got {probe_fraction!r}")
+        self._probe_fraction = probe_fraction
         self._explicit_steps = True
         ran_backward = self.ledger.current and self.hooks.unpacked > self._unpacked_at_boundary
         result = None
@@ -345,7 +359,7 @@ class Controller:
         if not cfg.schedule.due(step, last=last):
             return False
         trained = self._step_seconds - adapter.seconds
-        cost = adapter.last_seconds or adapter.predicted_cost(trained / step)
+        cost = adapter.last_seconds or adapter.predicted_cost(trained / step, self._probe_fraction)
         return cfg.schedule.affordable(
             adapted_seconds=adapter.seconds, trained_seconds=trained, cost_seconds=cost
         )

@@ -11,7 +11,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._session import CallbackBase, ConfigLike, IntegrationError, TrainingSession
+from ._session import (
+    CallbackBase,
+    ConfigLike,
+    IntegrationError,
+    TrainingSession,
+    sub_batch,
+    sub_batch_fraction,
+)
 
 __all__ = ["LightningGact"]
 
@@ -52,12 +59,13 @@ class LightningGact(CallbackBase):
 
     Args:
         config: a level name (``"L2"``) or a ``gact.GactConfig``.
+        probe_batch_size: probe on the first this many rows of the batch (``None``: all).
     """
 
     _STARTED_BY = "trainer.fit()"
 
-    def __init__(self, config: ConfigLike = "L2") -> None:
-        super().__init__(config)
+    def __init__(self, config: ConfigLike = "L2", probe_batch_size: int | None = None) -> None:
+        super().__init__(config, probe_batch_size)
         self._batch: tuple[Any, int] | None = None
         self._stepped = False
 
@@ -88,7 +96,9 @@ class LightningGact(CallbackBase):
         session = self._started()
         try:
             if self._stepped:
-                session.end_step(lambda: self._probe(trainer, pl_module))
+                assert self._batch is not None
+                fraction = sub_batch_fraction(self._batch[0], self.probe_batch_size)
+                session.end_step(lambda: self._probe(trainer, pl_module), fraction)
         finally:
             session.end()
         if self._stepped:
@@ -98,6 +108,7 @@ class LightningGact(CallbackBase):
         """Forward, loss and backward of the step's last batch, as Lightning runs them."""
         assert self._batch is not None
         batch, batch_idx = self._batch
+        batch = sub_batch(batch, self.probe_batch_size)  # NOTE [Sub-batch probes]
         args = (batch, batch_idx) if _takes_batch_idx(pl_module.training_step) else (batch,)
         with _logging_silenced(pl_module):
             output = trainer.strategy.training_step(*args)

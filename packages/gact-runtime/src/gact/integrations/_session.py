@@ -4,16 +4,25 @@ from __future__ import annotations
 
 import contextlib
 import numbers
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, Callable, Union
 
+import torch
 from torch import nn
 
 from ..config import LEVELS, GactConfig
 from ..controller import Controller
 from ..errors import GactError
 
-__all__ = ["CallbackBase", "ConfigLike", "IntegrationError", "TrainingSession", "resolve_config"]
+__all__ = [
+    "CallbackBase",
+    "ConfigLike",
+    "IntegrationError",
+    "TrainingSession",
+    "resolve_config",
+    "sub_batch",
+    "sub_batch_fraction",
+]
 
 ConfigLike = Union[str, GactConfig]
 
@@ -109,12 +118,13 @@ class TrainingSession:
         finally:
             self.end()
 
-    def end_step(self, probe: Callable[[], Any]) -> None:
+    def end_step(self, probe: Callable[[], Any], probe_fraction: float = 1.0) -> None:
         """Close the step the framework's forwards and backwards opened (call it after the
         optimizer step); when an adaptive level is due to adapt, ``probe`` runs the sensitivity
-        probes: forward, the framework's loss and backward on the step's last batch."""
+        probes: forward, the framework's loss and backward on the step's last batch (or on
+        ``probe_fraction`` of it, NOTE [Sub-batch probes])."""
         with self.active():
-            self.controller.iterate(probe)
+            self.controller.iterate(probe, probe_fraction=probe_fraction)
 
     def figures(self) -> dict[str, float]:
         """The numeric figures of ``controller.stats()``, named ``gact/<name>`` for loggers."""
@@ -125,18 +135,98 @@ class TrainingSession:
         }
 
 
+# NOTE [Sub-batch probes]
+# A probe replays the step's last batch: forward and backward, a training step's cost, several
+# times per adaptation, which is what keeps most runs from affording one (gact_policy's
+# schedule charges adaptations against training time). ``probe_batch_size=n`` replays the
+# first ``n`` rows instead: every tensor of the batch (nested in lists, tuples and mappings)
+# whose first dimension is the batch's (the first tensor's) is cut to its first ``n`` rows, and
+# the controller is told the probes' share of the batch (``iterate(probe_fraction=...)``), from
+# which it predicts the first adaptation's cost (later ones are charged what they measured).
+# The estimators compare probes with each other, so the sensitivities keep their ranking;
+# their noise grows as the sub-batch shrinks, and a model whose statistics depend on the batch
+# (BatchNorm) is probed on a smaller one.
+
+
+def sub_batch(batch: Any, size: int | None) -> Any:
+    """The first ``size`` rows of ``batch`` (NOTE [Sub-batch probes]); ``batch`` itself when
+    ``size`` is ``None``, not smaller than the batch, or the batch holds no tensor.
+
+    Example::
+
+        >>> batch = {"input_ids": torch.zeros(8, 5), "labels": torch.zeros(8, 5), "n": 3}
+        >>> {k: getattr(v, "shape", v) for k, v in sub_batch(batch, 2).items()}
+        {'input_ids': torch.Size([2, 5]), 'labels': torch.Size([2, 5]), 'n': 3}
+    """
+    first = _first_tensor(batch)
+    if size is None or first is None or first.dim() == 0 or size >= first.shape[0]:
+        return batch
+    rows = first.shape[0]
+
+    def cut(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value[:size] if value.dim() > 0 and value.shape[0] == rows else value
+        if isinstance(value, Mapping):
+            items = {k: cut(v) for k, v in value.items()}
+            try:
+                return type(value)(items)
+            except TypeError:
+                return items
+        if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
+            return type(value)(*(cut(v) for v in value))
+        if isinstance(value, (list, tuple)):
+            return type(value)(cut(v) for v in value)
+        return value
+
+    return cut(batch)
+
+
+def sub_batch_fraction(batch: Any, size: int | None) -> float:
+    """The share of ``batch``'s rows that ``sub_batch(batch, size)`` keeps."""
+    first = _first_tensor(batch)
+    if size is None or first is None or first.dim() == 0 or size >= first.shape[0]:
+        return 1.0
+    return size / first.shape[0]
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    children = value.values() if isinstance(value, Mapping) else value
+    if isinstance(value, (Mapping, list, tuple)):
+        for child in children:
+            found = _first_tensor(child)
+            if found is not None:
+                return found
+    return None
+
+
 class CallbackBase:
     """What every framework's ``GactCallback`` holds: its configuration, and its session once
     training has started.
 
     Args:
         config: a level name (``"L2"``) or a ``gact.GactConfig``.
+        probe_batch_size: probe on the first this many rows of the step's last batch (NOTE
+            [Sub-batch probes]); ``None``: the whole batch.
+
+    Raises:
+        ValueError: ``probe_batch_size`` is not a positive integer.
     """
 
     _STARTED_BY = "training"  # the call that starts training, for messages
 
-    def __init__(self, config: ConfigLike = "L2") -> None:
+    def __init__(self, config: ConfigLike = "L2", probe_batch_size: int | None = None) -> None:
+        if probe_batch_size is not None and (
+            isinstance(probe_batch_size, bool)
+            or not isinstance(probe_batch_size, int)
+            or probe_batch_size < 1
+        ):
+            raise ValueError(
+                f"probe_batch_size must be a positive integer or None, got {probe_batch_size!r}"
+            )
         self.config = resolve_config(config)
+        self.probe_batch_size = probe_batch_size
         self._session: TrainingSession | None = None
 
     @property

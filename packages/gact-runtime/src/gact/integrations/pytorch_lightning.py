@@ -19,6 +19,8 @@ class GactCallback(LightningGact, Callback):
 
     Args:
         config: a level name (``"L2"``) or a ``gact.GactConfig``.
+        probe_batch_size: sensitivity probes replay only the first this many rows of the batch
+            (cheaper adaptations; ``None``: the whole batch).
 
     Example::
 

@@ -10,7 +10,14 @@ from typing import Any, Callable
 
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from ._session import CallbackBase, ConfigLike, IntegrationError, TrainingSession
+from ._session import (
+    CallbackBase,
+    ConfigLike,
+    IntegrationError,
+    TrainingSession,
+    sub_batch,
+    sub_batch_fraction,
+)
 
 __all__ = ["GactCallback"]
 
@@ -45,8 +52,16 @@ class _StepRecorder:
         with self.session.active():
             return self.original(*args, **kwargs)
 
-    def probe(self) -> None:
-        """Forward, loss and backward of the last micro-batch, as the Trainer runs them."""
+    def inputs(self) -> Any:
+        """The last micro-batch's inputs (``None`` before the first)."""
+        if self.last is None:
+            return None
+        args, kwargs = self.last
+        return kwargs["inputs"] if "inputs" in kwargs else args[1] if len(args) > 1 else None
+
+    def probe(self, rows: int | None = None) -> None:
+        """Forward, loss and backward of the last micro-batch, as the Trainer runs them; of its
+        first ``rows`` rows if given (NOTE [Sub-batch probes] in _session.py)."""
         if self.last is None:
             raise IntegrationError(
                 "GactCallback: an optimizer step ended before any training_step ran, so there is "
@@ -54,6 +69,10 @@ class _StepRecorder:
                 "needs (use a Controller directly in a custom loop)"
             )
         args, kwargs = self.last
+        if "inputs" in kwargs:
+            kwargs = {**kwargs, "inputs": sub_batch(kwargs["inputs"], rows)}
+        elif len(args) > 1:  # training_step(model, inputs, ...)
+            args = (args[0], sub_batch(args[1], rows), *args[2:])
         self.original(*args, **kwargs)
 
 
@@ -95,6 +114,9 @@ class GactCallback(CallbackBase, TrainerCallback):
 
     Args:
         config: a level name (``"L2"``) or a ``gact.GactConfig``.
+        probe_batch_size: sensitivity probes replay only the first this many rows of the
+            micro-batch (cheaper adaptations; ``None``: all of it). A loss normalised by the
+            Trainer's ``num_items_in_batch`` is then scaled down, the same for every probe.
 
     Example::
 
@@ -117,8 +139,8 @@ class GactCallback(CallbackBase, TrainerCallback):
 
     _STARTED_BY = "trainer.train()"
 
-    def __init__(self, config: ConfigLike = "L2") -> None:
-        super().__init__(config)
+    def __init__(self, config: ConfigLike = "L2", probe_batch_size: int | None = None) -> None:
+        super().__init__(config, probe_batch_size)
         self._model: Any = None
         self._trainer: Trainer | None = None
         self._recorder: _StepRecorder | None = None
@@ -149,7 +171,9 @@ class GactCallback(CallbackBase, TrainerCallback):
         session = self._started()
         if self._recorder is None or self._trainer is None:
             raise IntegrationError("GactCallback.on_step_end ran before on_train_begin")
-        session.end_step(self._recorder.probe)
+        recorder = self._recorder
+        fraction = sub_batch_fraction(recorder.inputs(), self.probe_batch_size)
+        session.end_step(lambda: recorder.probe(self.probe_batch_size), fraction)
         if control.should_log:
             self._trainer.log(session.figures())
             control.should_log = True  # Trainer.log cleared it; the Trainer's own log follows
