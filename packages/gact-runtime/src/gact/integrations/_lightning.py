@@ -11,14 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._session import (
-    CallbackBase,
-    ConfigLike,
-    IntegrationError,
-    TrainingSession,
-    sub_batch,
-    sub_batch_fraction,
-)
+from . import _session
+from ._session import CallbackBase, ConfigLike, IntegrationError, TrainingSession
 
 __all__ = ["LightningGact"]
 
@@ -97,7 +91,7 @@ class LightningGact(CallbackBase):
         try:
             if self._stepped:
                 assert self._batch is not None
-                fraction = sub_batch_fraction(self._batch[0], self.probe_batch_size)
+                fraction = _session.sub_batch_fraction(self._batch[0], self.probe_batch_size)
                 session.end_step(lambda: self._probe(trainer, pl_module), fraction)
         finally:
             session.end()
@@ -108,7 +102,7 @@ class LightningGact(CallbackBase):
         """Forward, loss and backward of the step's last batch, as Lightning runs them."""
         assert self._batch is not None
         batch, batch_idx = self._batch
-        batch = sub_batch(batch, self.probe_batch_size)  # NOTE [Sub-batch probes]
+        batch = _session.sub_batch(batch, self.probe_batch_size)  # NOTE [Sub-batch probes]
         args = (batch, batch_idx) if _takes_batch_idx(pl_module.training_step) else (batch,)
         with _logging_silenced(pl_module):
             output = trainer.strategy.training_step(*args)

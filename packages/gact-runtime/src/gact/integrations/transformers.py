@@ -10,14 +10,8 @@ from typing import Any, Callable
 
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from ._session import (
-    CallbackBase,
-    ConfigLike,
-    IntegrationError,
-    TrainingSession,
-    sub_batch,
-    sub_batch_fraction,
-)
+from . import _session
+from ._session import CallbackBase, ConfigLike, IntegrationError, TrainingSession
 
 __all__ = ["GactCallback"]
 
@@ -70,9 +64,9 @@ class _StepRecorder:
             )
         args, kwargs = self.last
         if "inputs" in kwargs:
-            kwargs = {**kwargs, "inputs": sub_batch(kwargs["inputs"], rows)}
+            kwargs = {**kwargs, "inputs": _session.sub_batch(kwargs["inputs"], rows)}
         elif len(args) > 1:  # training_step(model, inputs, ...)
-            args = (args[0], sub_batch(args[1], rows), *args[2:])
+            args = (args[0], _session.sub_batch(args[1], rows), *args[2:])
         self.original(*args, **kwargs)
 
 
@@ -172,7 +166,7 @@ class GactCallback(CallbackBase, TrainerCallback):
         if self._recorder is None or self._trainer is None:
             raise IntegrationError("GactCallback.on_step_end ran before on_train_begin")
         recorder = self._recorder
-        fraction = sub_batch_fraction(recorder.inputs(), self.probe_batch_size)
+        fraction = _session.sub_batch_fraction(recorder.inputs(), self.probe_batch_size)
         session.end_step(lambda: recorder.probe(self.probe_batch_size), fraction)
         if control.should_log:
             self._trainer.log(session.figures())
