@@ -108,7 +108,7 @@ def worker(
 ) -> dict[str, Any]:
     """One run in this process (see the module docstring)."""
     from gact import Controller, GactConfig
-    from gact_examples.memory import live_tensor_peak, status_bytes
+    from gact_examples.memory import MemoryMeter, live_tensor_peak, status_bytes
     from gact_examples.workloads import workload
 
     if method not in METHODS:
@@ -158,8 +158,12 @@ def worker(
     with controller if controller is not None else contextlib.nullcontext():
         for i in range(steps):
             if i == WARMUP:
-                if cuda:
-                    live, reserved = _cuda_step_peak(lambda i=i: train(i))
+                if cuda:  # the allocator's peak of the step over what it held before
+                    meter = MemoryMeter(torch.device(device))
+                    meter.start()
+                    train(i)
+                    meter.stop()
+                    live, reserved = meter.delta, meter.reserved_peak
                 else:
                     _, live = live_tensor_peak(lambda i=i: train(i))
                 continue
@@ -186,17 +190,6 @@ def worker(
         "first_step_s": first,
         **metrics,
     }
-
-
-def _cuda_step_peak(step: Callable[[], None]) -> tuple[int, int]:
-    """The CUDA allocator's peak during ``step`` over what was allocated before it, and the
-    peak it reserved from the driver then (its own fragmentation included)."""
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base, torch.cuda.max_memory_reserved()
 
 
 def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from gact import Controller, GactConfig
+from gact_examples.memory import MemoryMeter
 from gact_examples.workloads import Workload, parse_models, workload
 
 LEVELS = ("fp32", "L0", "L1", "L2", "L1.2", "L2.2")
@@ -67,10 +68,9 @@ def measure(
             if ctl is not None:
                 ctl.install_hook()
             spent = []
+            meter = MemoryMeter(device)
             if cuda:
-                sync()
-                torch.cuda.reset_peak_memory_stats(device)
-                base = torch.cuda.memory_allocated(device)
+                meter.start()
             for i in range(steps + 1):  # the first step of a round warms the caches up
                 sync()
                 start = time.perf_counter()
@@ -79,8 +79,8 @@ def measure(
                 if i:
                     spent.append(time.perf_counter() - start)
             if cuda:
-                peak = torch.cuda.max_memory_allocated(device) - base
-                peaks[level] = max(peaks[level], peak)
+                meter.stop()
+                peaks[level] = max(peaks[level], meter.delta)
             if ctl is not None:
                 ctl.uninstall_hook()
             times[level].append(spent)

@@ -158,10 +158,9 @@ def sub_batch(batch: Any, size: int | None) -> Any:
         >>> {k: getattr(v, "shape", v) for k, v in sub_batch(batch, 2).items()}
         {'input_ids': torch.Size([2, 5]), 'labels': torch.Size([2, 5]), 'n': 3}
     """
-    first = _first_tensor(batch)
-    if size is None or first is None or first.dim() == 0 or size >= first.shape[0]:
+    rows = _rows_cut(batch, size)
+    if rows is None:
         return batch
-    rows = first.shape[0]
 
     def cut(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
@@ -183,10 +182,17 @@ def sub_batch(batch: Any, size: int | None) -> Any:
 
 def sub_batch_fraction(batch: Any, size: int | None) -> float:
     """The share of ``batch``'s rows that ``sub_batch(batch, size)`` keeps."""
+    rows = _rows_cut(batch, size)
+    return 1.0 if rows is None or size is None else size / rows
+
+
+def _rows_cut(batch: Any, size: int | None) -> int | None:
+    """The rows of ``batch`` (its first tensor's first dimension) if ``size`` cuts it, else
+    ``None``."""
     first = _first_tensor(batch)
     if size is None or first is None or first.dim() == 0 or size >= first.shape[0]:
-        return 1.0
-    return size / first.shape[0]
+        return None
+    return first.shape[0]
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:
