@@ -122,7 +122,9 @@ def _train_step(work: Workload, ctl: Controller | None, i: int) -> None:
 def profile_step(work: Workload, ctl: Controller | None, i: int, cuda: bool) -> dict[str, float]:
     """One training step under ``torch.profiler``: GACT's packs and unpacks (count per step,
     mean host time per call in us, from the ``gact::`` ranges), and on CUDA the host-device
-    synchronisations (``cudaStreamSynchronize`` calls) and the GPU's busy time (ms)."""
+    synchronisations (``cudaStreamSynchronize`` calls), the waits for an event
+    (``cudaEventSynchronize``: a pending save resolved by waiting) and the GPU's busy time
+    (ms)."""
     from torch.profiler import ProfilerActivity
 
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
@@ -136,19 +138,26 @@ def profile_step(work: Workload, ctl: Controller | None, i: int, cuda: bool) -> 
     finally:
         if ctl is not None:
             ctl.uninstall_hook()
-    events = {e.key: e for e in prof.key_averages()}
+    averages = prof.key_averages()
+    # a range that launched kernels also shows as a GPU annotation of the same name: host only
+    events = {e.key: e for e in averages if e.device_type == torch.autograd.DeviceType.CPU}
     out: dict[str, float] = {}
     for name in ("pack", "unpack"):
         event = events.get(f"gact::{name}")
         out[f"{name}s"] = 0 if event is None else event.count
         out[f"{name}_us"] = 0.0 if event is None else event.cpu_time_total / event.count
     if cuda:
-        sync_event = events.get("cudaStreamSynchronize")
-        out["syncs"] = 0 if sync_event is None else sync_event.count
+        for name, key in (
+            ("syncs", "cudaStreamSynchronize"),
+            ("event_waits", "cudaEventSynchronize"),
+        ):
+            event = events.get(key)
+            out[name] = 0 if event is None else event.count
+        # kernels, copies and sets only: a GPU annotation spans kernels already counted
         gpu_us = sum(
             e.self_device_time_total
-            for e in events.values()
-            if e.device_type == torch.autograd.DeviceType.CUDA
+            for e in averages
+            if e.device_type == torch.autograd.DeviceType.CUDA and not e.key.startswith("gact::")
         )
         out["gpu_ms"] = gpu_us / 1e3
     return out
@@ -156,8 +165,10 @@ def profile_step(work: Workload, ctl: Controller | None, i: int, cuda: bool) -> 
 
 def profile_table(results: list[dict]) -> str:
     """Per model and GACT level: packs and unpacks per step and their mean host time."""
-    lines = ["| model | level | packs (us each) | unpacks (us each) | syncs | GPU busy |"]
-    lines.append("|---|---|---:|---:|---:|---:|")
+    lines = [
+        "| model | level | packs (us each) | unpacks (us each) | syncs | event waits | GPU busy |"
+    ]
+    lines.append("|---|---|---:|---:|---:|---:|---:|")
     for res in results:
         for level, row in res["levels"].items():
             prof = row.get("profile")
@@ -166,7 +177,8 @@ def profile_table(results: list[dict]) -> str:
             gpu = f"{prof['gpu_ms']:.2f} ms" if "gpu_ms" in prof else "-"
             lines.append(
                 f"| {res['model']} | {level} | {prof['packs']} ({prof['pack_us']:.0f}) | "
-                f"{prof['unpacks']} ({prof['unpack_us']:.0f}) | {prof.get('syncs', '-')} | {gpu} |"
+                f"{prof['unpacks']} ({prof['unpack_us']:.0f}) | {prof.get('syncs', '-')} | "
+                f"{prof.get('event_waits', '-')} | {gpu} |"
             )
     return "\n".join(lines)
 

@@ -14,15 +14,19 @@ PYBIND11_MODULE(_cuda, m) {
   m.def(
       "quantize",
       [](uintptr_t x, int dtype, int64_t n, int64_t group_size, int bits, uint64_t seed,
-         bool zero_exact, uintptr_t out, uintptr_t lo, uintptr_t scale, int device,
-         uintptr_t stream) {
+         bool zero_exact, uintptr_t out, uintptr_t lo, uintptr_t scale, uintptr_t lossless_flag,
+         int device, uintptr_t stream) {
         gact::quantize_cuda(ptr<const void>(x), dtype, n, group_size, bits, seed, zero_exact,
-                            ptr<uint8_t>(out), ptr<float>(lo), ptr<float>(scale), device,
-                            ptr<void>(stream));
+                            ptr<uint8_t>(out), ptr<float>(lo), ptr<float>(scale),
+                            ptr<uint8_t>(lossless_flag), device, ptr<void>(stream));
       },
       py::arg("x"), py::arg("dtype"), py::arg("n"), py::arg("group_size"), py::arg("bits"),
       py::arg("seed"), py::arg("zero_exact"), py::arg("out"), py::arg("lo"), py::arg("scale"),
-      py::arg("device"), py::arg("stream"), Release());
+      py::arg("lossless_flag"), py::arg("device"), py::arg("stream"), Release());
+  m.def(
+      "device_addressable",
+      [](uintptr_t host) { return gact::device_addressable(ptr<const void>(host)); },
+      py::arg("host"));
   m.def(
       "dequantize",
       [](uintptr_t data, uintptr_t lo, uintptr_t scale, int64_t n, int64_t group_size, int bits,

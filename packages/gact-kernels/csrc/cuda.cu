@@ -100,7 +100,8 @@ template <int DT, int B>
 __global__ void __launch_bounds__(kThreads)
     quantize_kernel(const typename Elem<DT>::type* __restrict__ x, int64_t n, int64_t G,
                     StreamKey key, bool zero_exact, uint8_t* __restrict__ out,
-                    float* __restrict__ lo, float* __restrict__ scale) {
+                    float* __restrict__ lo, float* __restrict__ scale,
+                    volatile uint8_t* lossless_flag) {
   const int lane = threadIdx.x & 31;
   const float levels = static_cast<float>((1 << B) - 1);
   const float top = static_cast<float>((1 << B) - 2);  // zero-exact grid: 2^b - 2
@@ -136,6 +137,10 @@ __global__ void __launch_bounds__(kThreads)
     if (lane == 0) {
       lo[g] = p.lo;
       scale[g] = p.scale;
+      if (lossless_flag != nullptr && p.scale != p.scale) {  // a NaN step: stored losslessly
+        *lossless_flag = 1;  // mapped host memory, read after the stream passes this kernel
+        __threadfence_system();
+      }
     }
     // False for constant (0) and flagged (NaN) groups; a zero-exact group is coded even with a
     // step of 0 (its positives get code 1). Both are uniform over the warp.
@@ -234,10 +239,12 @@ __global__ void __launch_bounds__(kThreads)
 template <int DT, int B>
 struct Quantize {
   static void run(const void* x, int64_t n, int64_t G, StreamKey key, bool zero_exact,
-                  uint8_t* out, float* lo, float* scale, cudaStream_t stream) {
+                  uint8_t* out, float* lo, float* scale, uint8_t* lossless_flag,
+                  cudaStream_t stream) {
     const int64_t groups = (n + G - 1) / G;
     quantize_kernel<DT, B><<<blocks_for(groups * 32), kThreads, 0, stream>>>(
-        static_cast<const typename Elem<DT>::type*>(x), n, G, key, zero_exact, out, lo, scale);
+        static_cast<const typename Elem<DT>::type*>(x), n, G, key, zero_exact, out, lo, scale,
+        lossless_flag);
   }
 };
 
@@ -254,14 +261,24 @@ struct Dequantize {
 
 void quantize_cuda(const void* x, int dtype, int64_t n, int64_t group_size, int bits,
                    uint64_t seed, bool zero_exact, uint8_t* out, float* lo, float* scale,
-                   int device, void* stream) {
+                   uint8_t* lossless_flag, int device, void* stream) {
   check_group_size(group_size);
   check_zero_exact(zero_exact, bits);
+  if (lossless_flag != nullptr) *lossless_flag = 0;  // before the launch: the kernel only sets it
   if (n <= 0) return;
   DeviceGuard guard(device);
   dispatch<Quantize>(dtype, bits, x, n, group_size, quantize_key(seed), zero_exact, out, lo,
-                     scale, static_cast<cudaStream_t>(stream));
+                     scale, lossless_flag, static_cast<cudaStream_t>(stream));
   check(cudaGetLastError(), "quantize launch");
+}
+
+bool device_addressable(const void* host) {
+  cudaPointerAttributes attr;
+  if (cudaPointerGetAttributes(&attr, host) != cudaSuccess) {
+    cudaGetLastError();  // clear the error a failed query records
+    return false;
+  }
+  return attr.type == cudaMemoryTypeHost && attr.devicePointer == host;
 }
 
 void dequantize_cuda(const uint8_t* data, const float* lo, const float* scale, int64_t n,

@@ -52,9 +52,17 @@ void unpack_ints_cpu(const uint8_t* data, int64_t data_bytes, const int64_t* min
                      int64_t group_size, int dtype, void* out, int threads);
 
 // Same contracts on a CUDA device; `stream` is a cudaStream_t, launches are asynchronous.
+// quantize_cuda cannot return the lossless count without synchronising; instead, given a
+// `lossless_flag` byte of page-locked host memory that the device addresses at the same
+// address (device_addressable; or nullptr), it sets the byte to 0 before the launch and the
+// kernel sets it to 1 if it stores a group losslessly: once the stream has passed the kernel,
+// 0 proves there is none (NOTE [Deferred lossless check] in pending.py).
 void quantize_cuda(const void* x, int dtype, int64_t n, int64_t group_size, int bits,
                    uint64_t seed, bool zero_exact, uint8_t* out, float* lo, float* scale,
-                   int device, void* stream);
+                   uint8_t* lossless_flag, int device, void* stream);
+// Whether `host` is page-locked host memory that kernels may address at the same address
+// (cudaHostAlloc'ed memory under unified addressing: torch's pinned memory).
+bool device_addressable(const void* host);
 void dequantize_cuda(const uint8_t* data, const float* lo, const float* scale, int64_t n,
                      int64_t group_size, int bits, uint64_t seed, bool zero_exact, int dtype,
                      void* out, int device, void* stream);

@@ -82,6 +82,7 @@ def test_public_api() -> None:
         "MAX_GROUP_SIZE",
         "PackedInts",
         "PackedMask",
+        "PendingQuantize",
         "QuantizedTensor",
         "bucketize",
         "compiled_with_cuda",
@@ -90,6 +91,7 @@ def test_public_api() -> None:
         "pack_ints",
         "pack_mask",
         "quantize",
+        "quantize_async",
         "unpack_ints",
         "unpack_mask",
     ]

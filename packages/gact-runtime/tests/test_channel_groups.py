@@ -80,21 +80,21 @@ def test_batchnorm_gradient_of_small_channels(level: str) -> None:
 def test_channel_groups_reach_the_kernels() -> None:
     """Rank-4 saves are quantized with channel_dim=1; rank-2 saves in memory order."""
     calls: list[int | None] = []
-    quantize = gact_kernels.quantize
+    quantize = gact_kernels.quantize_async
 
-    def spy(*args: object, **kwargs: object) -> gact_kernels.QuantizedTensor:
-        q = quantize(*args, **kwargs)  # type: ignore[arg-type]
-        calls.append(q.channel_dim)
-        return q
+    def spy(*args: object, **kwargs: object) -> gact_kernels.PendingQuantize:
+        pending = quantize(*args, **kwargs)  # type: ignore[arg-type]
+        calls.append(pending.provisional.channel_dim)
+        return pending
 
     model = nn.Sequential(_model(), nn.Flatten(), nn.Linear(CHANNELS, 10))
     x = torch.randn(50, 32, 1, 1)  # batch 50: runs of 50 elements, padded to 56
-    gact_kernels.quantize = spy  # type: ignore[assignment]
+    gact_kernels.quantize_async = spy  # type: ignore[assignment]
     try:
         with Controller(model, GactConfig.from_level("L1", min_numel=0)) as controller:
             model(x).sum().backward()
     finally:
-        gact_kernels.quantize = quantize  # type: ignore[assignment]
+        gact_kernels.quantize_async = quantize  # type: ignore[assignment]
     assert 1 in calls and None in calls
     site = max(
         (r for r in controller.ledger.view()[0].values() if r.metadata_bits is not None),

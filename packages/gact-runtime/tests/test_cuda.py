@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gact import Controller, GactConfig, GactWarning
+from gact.saved import SaveHooks
 from runtime_helpers import grads_of, relative_error, requires_cuda
 from torch import nn
 
@@ -214,3 +215,54 @@ def test_compiled_model_on_cuda() -> None:
     moved = [w - s for w, s in zip(weights[None], start)]
     error = relative_error([w - s for w, s in zip(weights["L1"], start)], moved)
     assert error < (0.2 if traced else 1e-3)
+
+
+def _pending_step(
+    bad: bool, max_pending: int, check_syncs: bool, monkeypatch: pytest.MonkeyPatch
+) -> dict:
+    """One L1 step of a ReLU/Tanh MLP (quantized saves and exact decision masks, no integer
+    saves); with ``check_syncs`` its forward runs under torch's sync debug mode, where a
+    synchronising op raises."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *[m for _ in range(6) for m in (nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512),
+                                        nn.Tanh())],
+        nn.Linear(512, 10),
+    ).to(CUDA)  # fmt: skip
+    x = torch.randn(256, 512, device=CUDA)
+    if bad:
+        x[7, 3] = float("nan")  # row 7 turns NaN everywhere: lossless groups in every save
+    y = torch.randint(0, 10, (256,), device=CUDA, generator=torch.Generator(CUDA).manual_seed(0))
+    monkeypatch.setattr(SaveHooks, "MAX_PENDING", max_pending)
+    with Controller(model, GactConfig.from_level("L1", seed=4)) as ctl:
+        model(x)  # the flag ring and the caches are made outside the check
+        torch.cuda.synchronize()
+        if check_syncs:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = model(x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        waiting = sum(s.pending for s in ctl.hooks.pending)
+        F.cross_entropy(out, y).backward()
+        ctl.step()
+        stats = ctl.stats()
+    return {"grads": grads_of(model), "waiting": waiting, "stats": stats}
+
+
+@pytest.mark.parametrize("bad", [False, True], ids=["finite", "nan"])
+def test_pending_saves_on_cuda(bad: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [Pending saves]: a forward whose saves never wait for their kernels makes no
+    synchronisation (each quantize used to make one, to find lossless groups; a NaN group
+    still needs one, when resolved); the default bound keeps at most ``MAX_PENDING`` waiting;
+    every save waiting for its kernel at once gives bit-identical gradients and ledger."""
+    default = SaveHooks.MAX_PENDING
+    never = _pending_step(bad, 10**6, not bad, monkeypatch)
+    bounded = _pending_step(bad, default, False, monkeypatch)
+    waited = _pending_step(bad, 0, False, monkeypatch)
+    assert bounded["waiting"] <= default and waited["waiting"] == 0
+    for run in (never, bounded):
+        for a, b in zip(run["grads"], waited["grads"]):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+        assert run["stats"]["stored_bytes"] == waited["stats"]["stored_bytes"]
+    assert waited["stats"]["compressed_tensors"] >= 12

@@ -22,7 +22,8 @@ from ._compressed import Compressed, decompress
 from .buckets import MAX_BOUNDARIES, bucketize
 from .ints import INT_DTYPES, PackedInts, pack_ints, unpack_ints
 from .mask import MASK_DTYPES, PackedMask, pack_mask, unpack_mask
-from .quantize import FLOAT_DTYPES, QuantizedTensor, dequantize, quantize
+from .pending import PendingQuantize
+from .quantize import FLOAT_DTYPES, QuantizedTensor, dequantize, quantize, quantize_async
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -34,6 +35,7 @@ __all__ = [
     "Compressed",
     "PackedInts",
     "PackedMask",
+    "PendingQuantize",
     "QuantizedTensor",
     "bucketize",
     "compiled_with_cuda",
@@ -42,6 +44,7 @@ __all__ = [
     "pack_ints",
     "pack_mask",
     "quantize",
+    "quantize_async",
     "unpack_ints",
     "unpack_mask",
 ]

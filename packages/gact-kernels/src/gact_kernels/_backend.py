@@ -13,7 +13,14 @@ try:
 except ImportError:  # built without a CUDA compiler, or with GACT_KERNELS_CUDA=OFF
     _cuda = None
 
-__all__ = ["DTYPE_CODES", "CUDANotCompiledError", "compiled_with_cuda", "launch", "require_device"]
+__all__ = [
+    "DTYPE_CODES",
+    "CUDANotCompiledError",
+    "compiled_with_cuda",
+    "current_stream",
+    "launch",
+    "require_device",
+]
 
 # The compiled modules take integers only (addresses, sizes, a device index and a
 # ``cudaStream_t``); this module is the single place that turns torch objects into them.
@@ -77,5 +84,28 @@ def launch(kernel: str, device: torch.device, *args: int) -> Any:
         return getattr(_cpu, kernel)(*args, torch.get_num_threads())
     require_device(device, "tensor")
     index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = torch.cuda.current_stream(index).cuda_stream
-    return getattr(_cuda, kernel)(*args, index, stream)
+    return getattr(_cuda, kernel)(*args, index, _current_raw_stream(index))
+
+
+_streams: dict[tuple[int, int], torch.cuda.Stream] = {}
+
+
+def current_stream(index: int) -> torch.cuda.Stream:
+    """``torch.cuda.current_stream(index)``, the same object while the same stream is current
+    (building one costs more than a small kernel launch)."""
+    key = (index, _current_raw_stream(index))
+    stream = _streams.get(key)
+    if stream is None:
+        if len(_streams) >= 64:  # many streams came and went: start over
+            _streams.clear()
+        stream = _streams[key] = torch.cuda.current_stream(index)
+    return stream
+
+
+def _current_raw_stream(index: int) -> int:
+    """The ``cudaStream_t`` of ``torch.cuda.current_stream(index)``, without building a
+    ``Stream`` object when this torch has the raw accessor (its CUDA builds do)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw(index)
+    return torch.cuda.current_stream(index).cuda_stream

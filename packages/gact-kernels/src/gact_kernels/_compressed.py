@@ -73,6 +73,11 @@ class Compressed(abc.ABC):
             object.__setattr__(obj, name, value)
         return obj
 
+    def _with(self: C, **changes: Any) -> C:
+        """A copy with ``changes``, from this package's functions (not re-validated)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return self._built(**{**fields, **changes})
+
     @abc.abstractmethod
     def _validate(self) -> None:
         """Raises TypeError/ValueError naming the first inconsistent field."""

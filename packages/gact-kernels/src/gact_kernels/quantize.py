@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from ._backend import DTYPE_CODES, launch
+from ._backend import DTYPE_CODES, current_stream, launch
 from ._checks import (
     check_bits,
     check_buffer,
@@ -32,8 +32,9 @@ from ._layout import (
     restore_stride,
     to_channel_runs,
 )
+from .pending import PendingQuantize, element_index, flag_ring, lossless_groups
 
-__all__ = ["FLOAT_DTYPES", "QuantizedTensor", "dequantize", "quantize"]
+__all__ = ["FLOAT_DTYPES", "QuantizedTensor", "dequantize", "quantize", "quantize_async"]
 
 #: Input dtypes accepted by :func:`quantize`.
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -158,29 +159,6 @@ class QuantizedTensor(Compressed):
         return dequantize(self)
 
 
-def _element_index(groups: torch.Tensor, group_size: int, numel: int) -> torch.Tensor:
-    """Flat indices of the elements of ``groups``, (len(groups), group_size), clamped in range."""
-    offsets = torch.arange(group_size, device=groups.device)
-    return (groups[:, None] * group_size + offsets).clamp_(0, max(numel - 1, 0))
-
-
-def _lossless(
-    flat: torch.Tensor, scale: torch.Tensor, group_size: int, found: int | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Indices and raw elements of the groups flagged by a NaN scale; ``found`` is their number
-    when the kernel counted them (CPU), ``None`` when it did not (CUDA).
-
-    On CUDA the ``nonzero`` here is the one host-device synchronisation of :func:`quantize`.
-    """
-    if found == 0:
-        groups = torch.empty(0, dtype=torch.int64, device=flat.device)
-    else:
-        groups = torch.isnan(scale).nonzero().flatten()
-    if groups.numel() == 0:
-        return groups, flat.new_empty((0, group_size))
-    return groups, flat[_element_index(groups, group_size, flat.numel())]
-
-
 def quantize(
     x: torch.Tensor,
     bits: int,
@@ -199,7 +177,8 @@ def quantize(
     any permutation) is read in place and :func:`dequantize` restores its strides; other
     layouts are copied contiguous and come back contiguous. Groups holding NaN/Inf, or whose
     range is too small for a normal float32 step, are stored losslessly. On CUDA the kernel
-    runs on the current stream; the call then synchronises once, to find such groups.
+    runs on the current stream and the call waits for it, to learn whether there are such
+    groups (:func:`quantize_async` does not wait).
 
     With ``zero_exact=True`` (for ReLU outputs and other tensors whose zeros must stay
     zeros), every group whose minimum is zero (``+0`` or ``-0``: for a non-negative tensor,
@@ -264,6 +243,33 @@ def quantize(
         >>> bool(err.max() < 0.3)  # every channel keeps its own precision
         True
     """
+    return quantize_async(
+        x, bits, group_size=group_size, seed=seed, zero_exact=zero_exact, channel_dim=channel_dim
+    ).result()
+
+
+def quantize_async(
+    x: torch.Tensor,
+    bits: int,
+    *,
+    group_size: int = 256,
+    seed: int = 0,
+    zero_exact: bool = False,
+    channel_dim: int | None = None,
+) -> PendingQuantize:
+    """:func:`quantize` without waiting for the device: on CUDA the kernel is enqueued and the
+    call returns at once, holding ``x`` until the kernel tells whether it stored a group
+    losslessly (NOTE [Deferred lossless check] in pending.py). Same arguments, same bytes.
+
+    Returns:
+        A :class:`PendingQuantize`; its ``result()`` is what :func:`quantize` returns.
+
+    Example:
+        >>> import torch, gact_kernels
+        >>> p = gact_kernels.quantize_async(torch.tensor([1.0, float("nan")] * 200), 2)
+        >>> p.result().lossless_groups.tolist()  # both groups of 256 hold a NaN
+        [0, 1]
+    """
     check_tensor(x, "x", FLOAT_DTYPES)
     bits = check_bits(bits)
     group_size = check_group_size(group_size)
@@ -292,8 +298,15 @@ def quantize(
     data = torch.empty((n * bits + 7) // 8, dtype=torch.uint8, device=x.device)
     lo = torch.empty(groups, dtype=torch.float32, device=x.device)
     scale = torch.empty(groups, dtype=torch.float32, device=x.device)
-    found = 0
     code = DTYPE_CODES[x.dtype]
+    q = QuantizedTensor._built(
+        data=data, lo=lo, scale=scale, bits=bits, group_size=group_size, seed=seed,
+        shape=x.shape, stride=stride, dtype=x.dtype, zero_exact=zero_exact,
+        channel_dim=channel_dim, **_no_lossless(x.device, x.dtype, group_size),
+    )  # fmt: skip
+    if x.device.type == "cuda":
+        return _enqueue(q, flat, code, n)
+    found = 0
     if runs is not None:
         found = launch(
             "quantize_runs", x.device, x.data_ptr(), code, *runs, group_size, bits, seed,
@@ -306,13 +319,42 @@ def quantize(
             "quantize", x.device, flat.data_ptr(), code, n, group_size, bits, seed, zero_exact,
             data.data_ptr(), lo.data_ptr(), scale.data_ptr(),
         )  # fmt: skip
-    lossless_groups, lossless_values = _lossless(flat, scale, group_size, found)
-    return QuantizedTensor._built(
-        data=data, lo=lo, scale=scale, lossless_groups=lossless_groups,
-        lossless_values=lossless_values, bits=bits, group_size=group_size, seed=seed,
-        shape=x.shape, stride=stride, dtype=x.dtype, zero_exact=zero_exact,
-        channel_dim=channel_dim,
+    if found:
+        groups, values = lossless_groups(flat, scale, group_size)
+        q = q._with(lossless_groups=groups, lossless_values=values)
+    return PendingQuantize(q)
+
+
+def _enqueue(q: QuantizedTensor, flat: torch.Tensor, code: int, n: int) -> PendingQuantize:
+    """Launch the CUDA kernel on the block ``flat`` (``n`` elements) into ``q``'s buffers;
+    the lossless check is deferred (NOTE [Deferred lossless check] in pending.py)."""
+    ring = flag_ring(flat.device)
+    slot = ring.take() if ring.usable else (0, -1)
+    launch(
+        "quantize", flat.device, flat.data_ptr(), code, n, q.group_size, q.bits, q.seed,
+        q.zero_exact, q.data.data_ptr(), q.lo.data_ptr(), q.scale.data_ptr(),
+        ring.address + slot[0] if ring.usable else 0,
     )  # fmt: skip
+    event = torch.cuda.Event()
+    event.record(current_stream(flat.device.index))
+    return PendingQuantize(q, flat, event, ring if ring.usable else None, slot)
+
+
+# Shared empty lossless buffers, per (device, dtype, group size): most containers have no
+# lossless group, and two allocations per call cost more than the kernel on small inputs.
+_EMPTY: dict[tuple[torch.device, torch.dtype, int], dict[str, torch.Tensor]] = {}
+
+
+def _no_lossless(device: torch.device, dtype: torch.dtype, group_size: int) -> dict:
+    """``lossless_groups`` and ``lossless_values`` of a container without lossless groups."""
+    key = (device, dtype, group_size)
+    empty = _EMPTY.get(key)
+    if empty is None:
+        empty = _EMPTY[key] = {
+            "lossless_groups": torch.empty(0, dtype=torch.int64, device=device),
+            "lossless_values": torch.empty((0, group_size), dtype=dtype, device=device),
+        }
+    return empty
 
 
 def dequantize(q: QuantizedTensor) -> torch.Tensor:
@@ -363,7 +405,7 @@ def dequantize(q: QuantizedTensor) -> torch.Tensor:
             q.group_size, q.bits, q.seed, q.zero_exact, DTYPE_CODES[q.dtype], flat.data_ptr(),
         )  # fmt: skip
     if lossless:
-        flat[_element_index(q.lossless_groups, q.group_size, n)] = q.lossless_values
+        flat[element_index(q.lossless_groups, q.group_size, n)] = q.lossless_values
     if q.channel_dim is not None:
         from_channel_runs(flat, out, q.channel_dim)
     return out

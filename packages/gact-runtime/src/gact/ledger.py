@@ -126,6 +126,13 @@ class Ledger:
             rec.mask_bytes += nbytes
             rec.mask_bits = max(rec.mask_bits, mask_bits)
 
+    def add_bytes(self, key: str, nbytes: int) -> None:
+        """Count ``nbytes`` more stored for ``key`` in the open step (lossless groups that a
+        pending quantization turned out to need: NOTE [Pending saves] in saved.py)."""
+        rec = self.current.get(key)
+        if rec is not None:
+            rec.stored_bytes += nbytes
+
     def occurrences(self, key: str) -> int:
         """How many tensors were saved at ``key`` so far in the open step."""
         rec = self.current.get(key)

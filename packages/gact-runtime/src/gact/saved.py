@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import collections
 import contextlib
 import os
 import sys
@@ -137,7 +138,11 @@ class SavedCompressed(Saved):
     )  # fmt: skip
 
     def __init__(
-        self, tensor: torch.Tensor, key: str, payload: gact_kernels.Compressed, hooks: SaveHooks
+        self,
+        tensor: torch.Tensor,
+        key: str,
+        payload: gact_kernels.Compressed | gact_kernels.PendingQuantize,
+        hooks: SaveHooks,
     ) -> None:
         super().__init__(tensor, key)
         self.witness = _version_witness(tensor)
@@ -147,13 +152,36 @@ class SavedCompressed(Saved):
         self.decision: Decision | None = None
         self.table: pointwise.DerivativeTable | None = None
         swapper = hooks.swapper
+        if swapper is not None and isinstance(payload, gact_kernels.PendingQuantize):
+            payload = payload.result()  # a swapped-out payload is final
         self.ticket: Ticket | None = None if swapper is None else swapper.offload(payload)
         self.payload = payload if self.ticket is None else None
 
     @property
     def held(self) -> gact_kernels.Compressed:
-        """The payload, wherever it waits (here or swapped out)."""
-        return self.payload if self.ticket is None else self.ticket.payload
+        """The payload, wherever it waits (here or swapped out); waits for a pending
+        quantization (NOTE [Pending saves])."""
+        if self.ticket is not None:
+            return self.ticket.payload
+        if isinstance(self.payload, gact_kernels.PendingQuantize):
+            return self.resolve()
+        return self.payload
+
+    @property
+    def pending(self) -> bool:
+        """Whether the payload is a quantization whose lossless check has not been read."""
+        return isinstance(self.payload, gact_kernels.PendingQuantize)
+
+    def resolve(self) -> gact_kernels.QuantizedTensor:
+        """Wait for the pending quantization (if it has not finished) and hold its result;
+        lossless groups it turned out to need are added to the ledger."""
+        pending = self.payload
+        assert isinstance(pending, gact_kernels.PendingQuantize)
+        self.payload = payload = pending.result()
+        extra = payload.nbytes - pending.provisional.nbytes
+        if extra:
+            self.hooks.ledger.add_bytes(self.key, extra)
+        return payload
 
     @property
     def nbytes(self) -> int:
@@ -162,7 +190,9 @@ class SavedCompressed(Saved):
 
     def decide(self, tensor: torch.Tensor, spec: DecisionSpec) -> int:
         """Record the exact outcomes of ``spec``'s comparisons; returns the bytes added."""
-        held = self.held
+        held = self.payload if self.ticket is None else self.ticket.payload
+        if isinstance(held, gact_kernels.PendingQuantize):
+            held = held.provisional  # its grid is final; no need to wait
         # the zero-exact grid decides y > 0 exactly (NOTE [Exact decisions])
         skip = (
             (True, 0.0)
@@ -180,7 +210,10 @@ class SavedCompressed(Saved):
 
     def unpack(self) -> torch.Tensor:
         self._check(self.witness)
-        payload = self.payload if self.ticket is None else self.hooks.swapper.fetch(self.ticket)
+        if self.ticket is not None:
+            payload = self.hooks.swapper.fetch(self.ticket)
+        else:
+            payload = self.held
         values = gact_kernels.decompress(payload)
         node = torch._C._current_autograd_node()
         if self.table is not None:
@@ -341,6 +374,7 @@ class SaveHooks:
         self.ledger = ledger
         self.swapper = swapper
         self.live = _LiveTable()
+        self.pending: collections.deque[SavedCompressed] = collections.deque()  # NOTE below
         self.unpacked = 0  # unpack calls so far: tells whether a closure ran a backward
         self.probing = False  # a ProbeSession is running its probes
         self.on_compiled: Callable[[], None] = lambda: None  # set by the Controller
@@ -380,7 +414,34 @@ class SaveHooks:
             return compiled.unpack_traced(saved, compiled.tracing_context())
         self.unpacked += 1
         with _profiled("gact::unpack"):
+            if self.pending:
+                self.settle()
             return saved.unpack()
+
+    # NOTE [Pending saves]
+    # On CUDA a quantization does not wait for its kernel to tell whether it stored a group
+    # losslessly (NOTE [Deferred lossless check] in gact_kernels/pending.py): the save holds a
+    # ``PendingQuantize``, which holds its input until then. ``pending`` lists such saves, oldest
+    # first; every pack and unpack resolves those whose kernel has finished (reading one
+    # page-locked byte each, no synchronisation) and, beyond ``MAX_PENDING``, waits for the
+    # oldest. So the host runs at most ``MAX_PENDING`` saves ahead of the device's quantize
+    # kernels (enough to keep the device busy: the model's own kernels queue between them) and
+    # at most ``MAX_PENDING`` inputs are held beyond their last use, usually the last few
+    # activations of the forward, which the model still holds anyway. A save is always
+    # resolved before it is unpacked (``SavedCompressed.held``).
+    MAX_PENDING = 4
+
+    def settle(self) -> None:
+        """Resolve the pending saves whose kernels have finished, and wait for the oldest ones
+        beyond ``MAX_PENDING`` (NOTE [Pending saves])."""
+        pending = self.pending
+        while pending:
+            saved = pending[0]
+            if saved.pending:
+                if len(pending) <= self.MAX_PENDING and not saved.payload.done():
+                    return
+                saved.resolve()
+            pending.popleft()
 
     def forward_started(self) -> None:
         """The controlled model's root forward starts: forget the last forward's saves."""
@@ -568,11 +629,12 @@ class SaveHooks:
                 seed = self.plan.seed_for(key, self.ledger.occurrences(key))
                 rows = _row_length(spec, tensor, data, plan.config)
                 channels = plan.config.channel_groups and data.dim() >= 4
-                payload = gact_kernels.quantize(
+                pending = gact_kernels.quantize_async(
                     data if rows is None else data.view(-1, rows), bits, group_size=group_size,
                     seed=seed, zero_exact=zero_exact,
                     channel_dim=0 if rows is not None else 1 if channels else None,
                 )  # fmt: skip
+                payload = pending if not pending.done() else pending.result()
                 if rows is not None:
                     view_to = tensor.shape
             kind = Kind.QUANTIZED
@@ -584,13 +646,19 @@ class SaveHooks:
             saved.table = table  # not in the live table: never shared (see pack_own)
         else:
             self.live.add(tensor, saved, self.tracker.generation)
-        nbytes = payload.nbytes
-        quantized = isinstance(payload, gact_kernels.QuantizedTensor)
+        held = saved.payload if saved.ticket is None else saved.ticket.payload
+        if isinstance(held, gact_kernels.PendingQuantize):
+            held = held.provisional  # its lossless bytes, if any, reach the ledger when resolved
+        nbytes = held.nbytes
+        quantized = isinstance(held, gact_kernels.QuantizedTensor)
         self.ledger.record(
             key, tensor, kind, bits, nbytes, zero_exact=zero_exact, table=candidate,
-            metadata_bits=_metadata_bits(payload, nbytes) if quantized else None,
+            metadata_bits=_metadata_bits(held, nbytes) if quantized else None,
             min_bits=floor if quantized else 0,
         )  # fmt: skip
+        if saved.pending:  # see NOTE [Pending saves]
+            self.pending.append(saved)
+            self.settle()
         if spec is not None and spec.predicates and kind is Kind.QUANTIZED:
             self._decide(saved, tensor, spec)
         return saved

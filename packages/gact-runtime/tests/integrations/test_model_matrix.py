@@ -56,14 +56,14 @@ def test_trains_without_compressing_parameters(
     model, loss_fn = _family(name).build()
     storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
     quantized_parameters: list[tuple[int, ...]] = []
-    quantize = gact_kernels.quantize
+    quantize = gact_kernels.quantize_async
 
     def checked_quantize(data: torch.Tensor, *args: object, **kwargs: object) -> object:
         if data.untyped_storage().data_ptr() in storages:
             quantized_parameters.append(tuple(data.shape))
         return quantize(data, *args, **kwargs)
 
-    monkeypatch.setattr(gact_kernels, "quantize", checked_quantize)
+    monkeypatch.setattr(gact_kernels, "quantize_async", checked_quantize)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     controller = Controller(
         model, GactConfig.from_level(level, adapt_interval=2, adapt_first_gap=0, adapt_budget=1e6)
