@@ -8,11 +8,12 @@ import gc
 import math
 import re
 import warnings
+import weakref
 
 import pytest
 import torch
 import torch.nn.functional as F
-from gact import Controller, GactConfig, GactWarning, compiled
+from gact import Controller, GactConfig, GactError, GactWarning, compiled
 from gact.ledger import Kind, live_tensor_peak
 from runtime_helpers import grads_of, relative_error
 from torch import nn
@@ -312,6 +313,39 @@ def test_payloads_live_as_long_as_the_graph() -> None:
         run(x).sum()  # a forward whose backward never runs frees its payloads with its graph
         gc.collect()
         assert len(compiled._PAYLOADS) == 0
+
+
+def _controlled_compiled_run() -> tuple[weakref.ref, weakref.ref]:
+    model = _relu_mlp()
+    run = torch.compile(model, backend="aot_eager")
+    with Controller(run, GactConfig.from_level("L1", min_numel=0)) as controller:
+        for _ in range(2):
+            run(torch.randn(4, 16)).square().sum().backward()
+            controller.step()
+        assert controller.hooks.compiled_sites  # its graphs traced the hooks
+    return weakref.ref(model), weakref.ref(controller)
+
+
+def test_a_controller_and_its_model_die_with_their_last_reference() -> None:
+    """The registry of traced sites (NOTE [Compiled saves]) must not keep a controller, and
+    through it the model's weights, alive once the user dropped both (dynamo's caches, which
+    outlive them, hold neither)."""
+    model, controller = _controlled_compiled_run()
+    gc.collect()
+    assert controller() is None and model() is None
+
+
+def test_a_graph_that_outlives_its_controller_says_so() -> None:
+    model = _relu_mlp()
+    run = torch.compile(model, backend="aot_eager")
+    with Controller(run, GactConfig.from_level("L1", min_numel=0)) as controller:
+        run(torch.randn(4, 16)).sum().backward()
+    site = next(iter(controller.hooks.compiled_sites.values()))
+    assert site.hooks is controller.hooks
+    del controller
+    gc.collect()
+    with pytest.raises(GactError, match=r"no longer exists.*torch\._dynamo\.reset\(\)"):
+        site.hooks  # noqa: B018
 
 
 class _CheckpointedBlocks(nn.Module):

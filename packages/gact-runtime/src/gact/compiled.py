@@ -67,8 +67,10 @@ __all__ = [
 #   unpack at its start). tests/test_compile.py proves the placement with the peak.
 # Saves that AOTAutograd does not hand to the hooks (graph inputs, parameters, outputs: the
 # default ``saved_tensors_hooks_filtering_mode="donated"``) are kept, as they cannot be freed.
-# ``_SITES`` and the traced sites hold their controller's hooks for the process's life: a
-# compiled graph may run again as long as its hooks' ids are installed (dynamo's guard).
+# ``_SITES`` keeps the traced sites for the process's life (a compiled graph may run again as
+# long as its hooks' ids are installed: dynamo's guard), but a site refers to its controller's
+# hooks weakly, so that dropping a Controller and its model frees them (a graph that runs after
+# its controller died raises ``GactError``).
 
 #: The autograd node that unpacks every save of a compiled graph (the consumer of its decisions).
 COMPILED_NODE = "CompiledFunctionBackward"

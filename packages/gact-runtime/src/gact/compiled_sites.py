@@ -111,7 +111,9 @@ class CompiledSite:
     """How one tensor saved by a compiled graph is stored, decided when the graph is traced.
 
     Args:
-        hooks: the ``SaveHooks`` of the controller whose model saved it.
+        owner: a weak reference to the ``SaveHooks`` of the controller whose model saved it
+            (``hooks`` dereferences it): the registry of traced sites lives as long as the
+            process, and must not keep a controller, nor through it a model, alive.
         key: its save-site key: ``<module>@<node>:<dtype>:<rank>d``.
         dtype, device: the saved tensor's (for the unpacked tensor's fake value).
         graph: which traced forward graph saves it (numbered in tracing order).
@@ -124,7 +126,7 @@ class CompiledSite:
             in the ledger with it whenever its graph runs (``SaveHooks.pack_site``).
     """
 
-    hooks: SaveHooks
+    owner: weakref.ref[SaveHooks]
     key: str
     dtype: torch.dtype
     device: torch.device
@@ -136,13 +138,30 @@ class CompiledSite:
     row_length: int = 0
     like: torch.Tensor | None = None
 
+    @property
+    def hooks(self) -> SaveHooks:
+        """The ``SaveHooks`` that traced this site.
+
+        Raises:
+            GactError: its controller no longer exists (a compiled graph outlived it).
+        """
+        hooks = self.owner()
+        if hooks is None:
+            raise GactError(
+                f"a compiled graph saved {self.key!r} through the hooks of a GACT Controller "
+                "that no longer exists; call torch._dynamo.reset() after dropping a Controller "
+                "whose model was compiled, or keep the Controller for as long as the compiled "
+                "model runs"
+            )
+        return hooks
+
     @classmethod
     def of(cls, hooks: SaveHooks, val: torch.Tensor, context: dict[str, Any]) -> CompiledSite:
         """Decide how to store the saved node named by ``context`` (see NOTE above)."""
         node: torch.fx.Node = context["_node"]
         key = f"{_module_path(node)}@{node.name}:{str(val.dtype).removeprefix('torch.')}"
         key += f":{val.dim()}d"
-        site = dict(hooks=hooks, key=key, dtype=val.dtype, device=val.device)
+        site = dict(owner=weakref.ref(hooks), key=key, dtype=val.dtype, device=val.device)
         site["graph"] = _graph_number(context["_fw_graph"])
         if all(isinstance(n, int) for n in val.shape):
             site["like"] = torch.empty(val.shape, dtype=val.dtype, device="meta")
