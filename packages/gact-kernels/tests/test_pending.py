@@ -77,7 +77,7 @@ def test_cuda_enqueues_without_synchronising() -> None:
 @requires_cuda
 def test_cuda_flag_reports_lossless_groups() -> None:
     device = torch.device("cuda", torch.cuda.current_device())
-    ring = pending.flag_ring(device)
+    ring = pending.flag_ring()
     assert ring.usable
     clean = gact_kernels.quantize_async(torch.randn(4096, device=device), 4)
     bad = gact_kernels.quantize_async(_with_bad_groups(torch.float32, "cuda"), 4)
@@ -98,7 +98,7 @@ def test_cuda_reused_slot_is_not_trusted() -> None:
     small = torch.randn(256, device="cuda")
     later = [gact_kernels.quantize_async(small, 4) for _ in range(pending._SLOTS)]
     torch.cuda.synchronize()
-    ring = pending.flag_ring(x.device)
+    ring = pending.flag_ring()
     assert ring.owners[first._slot] != first._ticket and ring.view[first._slot] == 0
     assert _same(first.result(), gact_kernels.quantize(x.cpu(), 4, seed=3))
     assert first.result().lossless_groups.tolist() == [1, 3]

@@ -11,7 +11,7 @@ import gact_kernels
 import pytest
 import torch
 import torch.nn.functional as F
-from gact import Controller, GactConfig, GactWarning
+from gact import Controller, GactConfig, GactWarning, decisions
 from gact.ledger import Kind
 from gact.saved import SavedCompressed
 from runtime_helpers import record_saves
@@ -322,3 +322,29 @@ def test_fused_attention_gradient_is_unbiased() -> None:
     mean, stderr = rows.mean(0), rows.std(0) / 8
     assert int(((mean - exact).abs() > 6 * stderr).sum()) == 0
     assert float((mean - exact).norm()) < 1.5 * float(stderr.norm())
+
+
+@pytest.mark.parametrize(("level", "small", "large"), [("L1", 6, 4), ("L1.2", 4, 2), ("L2", 6, 4)])
+def test_batch_norm_inputs_of_small_maps_take_two_more_bits(
+    level: str, small: int, large: int
+) -> None:
+    """NOTE [Attention and row normalisations]: BatchNorm on batch statistics with at most
+    ``BATCH_NORM_SMALL`` elements per channel (here 64 x 2 x 2 = 256) stores its input 2 bits
+    above the level's width; larger maps (64 x 16 x 16) and running statistics do not."""
+    key = "1#0:float32:4d"  # the BatchNorm's input
+    widths = {}
+    for size, train in ((2, True), (16, True), (2, False)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        model.train(train)
+        with Controller(model, GactConfig.from_level(level, min_numel=0)) as controller:
+            for _ in range(2):  # adaptive levels: the second step stores with the allocation
+                model(torch.randn(64, 8, size, size)).square().mean().backward()
+                controller.step()
+        record = controller.ledger.last[key]
+        widths[size, train] = (record.bits, record.min_bits)
+    assert widths[2, True] == (small, small)
+    assert widths[16, True][1] == 0 and widths[2, False][1] == 0
+    if level != "L2":  # L2 allocates the other widths itself
+        assert widths[16, True][0] == widths[2, False][0] == large
+    assert decisions.BATCH_NORM_SMALL == 1024 and decisions.BATCH_NORM_EXTRA_BITS == 2

@@ -28,18 +28,20 @@ __all__ = ["PendingQuantize"]
 # once the event has passed, a 0 proves there is no lossless group (the common case: the
 # input is released, nothing is copied) and a 1 sends the call down the synchronous path
 # (``isnan(scale).nonzero()``, then the gather).
-# The bytes come from a ring of slots per device. A slot is reused after ``_SLOTS`` later
-# calls, which zero it at their launch: a pending call whose slot was taken since (its
-# ``ticket`` no longer owns the slot) cannot trust the byte and takes the synchronous path.
+# The bytes come from one ring of slots, shared by all devices. A slot is reused after
+# ``_SLOTS`` later calls, which zero it at their launch: a pending call whose slot was taken
+# since (its ``ticket`` no longer owns the slot) cannot trust the byte and takes the
+# synchronous path.
 # A stale kernel can only set a byte to 1, never clear one: a 1 may be a false alarm (the
 # synchronous path then finds no group), a 0 is never wrong.
 _SLOTS = 4096
 
 
 class _FlagRing:
-    """The page-locked flag bytes of one CUDA device (NOTE [Deferred lossless check])."""
+    """The page-locked flag bytes of the quantize calls (NOTE [Deferred lossless check]); under
+    unified addressing every device writes them at their host address."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self) -> None:
         self.flags = torch.zeros(_SLOTS, dtype=torch.uint8, pin_memory=True)
         self.view = self.flags.numpy()  # reads without a tensor op
         self.address = self.flags.data_ptr()
@@ -56,19 +58,18 @@ class _FlagRing:
         return slot, ticket
 
 
-_rings: dict[torch.device, _FlagRing] = {}
-_rings_lock = threading.Lock()
+_ring: _FlagRing | None = None
+_ring_lock = threading.Lock()
 
 
-def flag_ring(device: torch.device) -> _FlagRing:
-    """The flag ring of CUDA ``device`` (an indexed device), created on first use."""
-    ring = _rings.get(device)
-    if ring is None:
-        with _rings_lock:
-            ring = _rings.get(device)
-            if ring is None:
-                ring = _rings[device] = _FlagRing(device)
-    return ring
+def flag_ring() -> _FlagRing:
+    """The flag ring that every CUDA device's quantize calls share, created on first use."""
+    global _ring
+    if _ring is None:
+        with _ring_lock:
+            if _ring is None:
+                _ring = _FlagRing()
+    return _ring
 
 
 def element_index(groups: torch.Tensor, group_size: int, numel: int) -> torch.Tensor:

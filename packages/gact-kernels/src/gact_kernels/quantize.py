@@ -328,7 +328,7 @@ def quantize_async(
 def _enqueue(q: QuantizedTensor, flat: torch.Tensor, code: int, n: int) -> PendingQuantize:
     """Launch the CUDA kernel on the block ``flat`` (``n`` elements) into ``q``'s buffers;
     the lossless check is deferred (NOTE [Deferred lossless check] in pending.py)."""
-    ring = flag_ring(flat.device)
+    ring = flag_ring()
     slot = ring.take() if ring.usable else (0, -1)
     launch(
         "quantize", flat.device, flat.data_ptr(), code, n, q.group_size, q.bits, q.seed,

@@ -82,6 +82,16 @@ __all__ = ["DECISION_NODES", "Decision", "DecisionMode", "DecisionSpec", "curren
 #   model matrix's ViT, 95% of the class token's rounding variance after 300 steps (5.4x its
 #   minibatch variance) came from the first LayerNorm's input; with row groups no layer's
 #   rounding variance exceeds 9.3% of its minibatch variance (BENCHMARKS.md, "Stability").
+# - BatchNorm normalising by the batch's statistics reads its input through each channel's
+#   spread, and its backward carries that input's rounding error into every earlier layer's
+#   gradient. On small maps, where a channel has few elements per step (a CIFAR ResNet's 4x4,
+#   2x2 and 1x1 maps at batch 64: 1024, 256 and 64), that error dominated: on the ResNet-18
+#   layout after 150 steps at L1, rounding added up to 62% of the minibatch variance to a
+#   BatchNorm weight's gradient and 45% to a convolution's; with those inputs at 6 bits, 3.5%
+#   and 15% (at 5 bits 14% and 16%). The call's spec gives such inputs (at most
+#   ``BATCH_NORM_SMALL`` elements per channel) ``BATCH_NORM_EXTRA_BITS`` more than the level's
+#   width: 6 at L1, 4 at L1.2, and at adaptive levels their nominal width plus 2, paid from
+#   the budget like any floor. On that ResNet they are 17% of the quantized elements.
 
 
 # Autograd nodes whose backward branches on a saved tensor (class names without the trailing
@@ -144,7 +154,11 @@ class DecisionSpec:
         derivative_id: ``id()`` of that argument.
         min_bits: the smallest width of the saves of the arguments named by ``precise_ids``
             (NOTE [Attention and row normalisations]); 0 sets none.
-        precise_ids: ``id()`` of the call's arguments that take ``min_bits`` when saved.
+        extra_bits: the saves of ``precise_ids`` take at least this many bits more than the
+            level's width (its nominal width at adaptive levels), at most 8 (BatchNorm of
+            small maps: NOTE [Attention and row normalisations]); 0 adds none.
+        precise_ids: ``id()`` of the call's arguments that take ``min_bits`` and
+            ``extra_bits`` when saved.
         exact_numel: saves made during the call with at most this many elements are kept
             uncompressed (per-row statistics: log-sum-exp, mean, reciprocal spread).
         rows_id: ``id()`` of the argument whose save is grouped by rows of ``row_length``
@@ -159,6 +173,7 @@ class DecisionSpec:
     derivative: str | None = None
     derivative_id: int | None = None
     min_bits: int = 0
+    extra_bits: int = 0
     precise_ids: frozenset[int] = frozenset()
     exact_numel: int = 0
     rows_id: int | None = None
@@ -169,12 +184,20 @@ class DecisionSpec:
         """Whether the call's backward branches on, or needs exactly or precisely, a saved
         tensor."""
         return bool(
-            self.predicates or self.exact or self.zero_exact or self.exact_ids or self.min_bits
+            self.predicates
+            or self.exact
+            or self.zero_exact
+            or self.exact_ids
+            or self.min_bits
+            or self.extra_bits
         )
 
-    def bits_floor(self, tensor: torch.Tensor) -> int:
-        """The smallest width of a save of ``tensor`` made during the call."""
-        return self.min_bits if id(tensor) in self.precise_ids else 0
+    def bits_floor(self, tensor: torch.Tensor, nominal: int) -> int:
+        """The smallest width of a save of ``tensor`` made during the call, at a level whose
+        width is ``nominal``."""
+        if id(tensor) not in self.precise_ids:
+            return 0
+        return max(self.min_bits, min(8, nominal + self.extra_bits) if self.extra_bits else 0)
 
     def keeps(self, tensor: torch.Tensor) -> bool:
         """Whether a save of ``tensor`` made during the call is kept uncompressed."""
@@ -286,6 +309,23 @@ def _attention(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | No
     )
 
 
+BATCH_NORM_EXTRA_BITS = 2  # BatchNorm inputs of small maps: bits above the level's (NOTE above)
+BATCH_NORM_SMALL = 1024  # ... with at most this many elements per channel
+
+
+def _batch_norm(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
+    x = _arg(args, kwargs, 0, "input", None)
+    if not isinstance(x, torch.Tensor) or x.dim() < 2 or not x.numel():
+        return None
+    # F.batch_norm and torch.batch_norm both take ``training`` sixth (nn.BatchNorm passes True
+    # whenever it normalises by the batch's statistics)
+    if not _arg(args, kwargs, 5, "training", False):
+        return None  # running statistics: a fixed affine map of the input
+    if x.numel() // x.shape[1] > BATCH_NORM_SMALL:
+        return None
+    return DecisionSpec(extra_bits=BATCH_NORM_EXTRA_BITS, precise_ids=frozenset({id(x)}))
+
+
 def _row_norm(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
     x = _arg(args, kwargs, 0, "input", None)
     shape = _arg(args, kwargs, 1, "normalized_shape", None)
@@ -347,6 +387,7 @@ def _rules() -> dict[Callable[..., Any], _Rule]:
     add(_gelu, F.gelu)
     add(_silu, F.silu)
     add(_attention, F.scaled_dot_product_attention)
+    add(_batch_norm, F.batch_norm, torch.batch_norm)
     add(_row_norm, F.layer_norm, torch.layer_norm)
     add(_row_norm, getattr(F, "rms_norm", None), getattr(torch, "rms_norm", None))
     return table

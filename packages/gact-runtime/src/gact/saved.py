@@ -616,7 +616,7 @@ class SaveHooks:
             zero_exact = spec is not None and spec.zero_exact
             if zero_exact:  # 2 zero-exact bits, not 1 bit and a mask (NOTE [Exact decisions])
                 bits = max(bits, 2)
-            floor = 0 if spec is None else spec.bits_floor(tensor)
+            floor = 0 if spec is None else spec.bits_floor(tensor, self.plan.default_bits)
             bits = max(bits, floor)  # see NOTE [Attention and row normalisations]
             plan = self.plan
             if plan.config.spec.adaptive and key not in plan.two_valued:
