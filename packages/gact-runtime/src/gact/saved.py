@@ -168,15 +168,23 @@ class SavedCompressed(Saved):
         return self.payload
 
     @property
+    def known(self) -> gact_kernels.Compressed:
+        """The payload as far as it is known without waiting: a pending quantization's
+        provisional container (final metadata, ``nbytes`` a lower bound)."""
+        held = self.payload if self.ticket is None else self.ticket.payload
+        return held.provisional if isinstance(held, gact_kernels.PendingQuantize) else held
+
+    @property
     def pending(self) -> bool:
         """Whether the payload is a quantization whose lossless check has not been read."""
         return isinstance(self.payload, gact_kernels.PendingQuantize)
 
-    def resolve(self) -> gact_kernels.QuantizedTensor:
+    def resolve(self) -> gact_kernels.Compressed:
         """Wait for the pending quantization (if it has not finished) and hold its result;
         lossless groups it turned out to need are added to the ledger."""
         pending = self.payload
-        assert isinstance(pending, gact_kernels.PendingQuantize)
+        if not isinstance(pending, gact_kernels.PendingQuantize):
+            return pending  # resolved meanwhile (the hooks' settle and an unpack)
         self.payload = payload = pending.result()
         extra = payload.nbytes - pending.provisional.nbytes
         if extra:
@@ -190,9 +198,7 @@ class SavedCompressed(Saved):
 
     def decide(self, tensor: torch.Tensor, spec: DecisionSpec) -> int:
         """Record the exact outcomes of ``spec``'s comparisons; returns the bytes added."""
-        held = self.payload if self.ticket is None else self.ticket.payload
-        if isinstance(held, gact_kernels.PendingQuantize):
-            held = held.provisional  # its grid is final; no need to wait
+        held = self.known  # its grid is final: no need to wait for a pending quantization
         # the zero-exact grid decides y > 0 exactly (NOTE [Exact decisions])
         skip = (
             (True, 0.0)
@@ -646,9 +652,7 @@ class SaveHooks:
             saved.table = table  # not in the live table: never shared (see pack_own)
         else:
             self.live.add(tensor, saved, self.tracker.generation)
-        held = saved.payload if saved.ticket is None else saved.ticket.payload
-        if isinstance(held, gact_kernels.PendingQuantize):
-            held = held.provisional  # its lossless bytes, if any, reach the ledger when resolved
+        held = saved.known  # lossless groups of a pending one reach the ledger when resolved
         nbytes = held.nbytes
         quantized = isinstance(held, gact_kernels.QuantizedTensor)
         self.ledger.record(
