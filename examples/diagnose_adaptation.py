@@ -7,8 +7,10 @@ measures per saved tensor (per *item*):
   at full precision: over ``--seeds`` rounding seeds, the gradient's variance (trace of the
   covariance), its squared bias ``|E g - g*|^2`` and its mean squared error against the exact
   fp32 gradient ``g*``;
-- the runtime's pairwise estimate and the reference (GACT Algorithm 1) estimate of the
-  sensitivity ``c`` (variance = ``c S(b)``), each probed as the adapter does;
+- the runtime's estimate of the sensitivity ``c`` (variance = ``c S(b)``) as the adapter makes
+  it (measured in the backward for tensors read linearly, pairwise probes for the rest: NOTE
+  [Measured sensitivities]), the pairwise estimate of every tensor (the runtime before) and
+  the reference (GACT Algorithm 1) estimate;
 - which backward nodes read the tensor (its op kind);
 
 and writes a JSON record plus Markdown tables: rank correlation of each estimator with the
@@ -34,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from gact import Controller, GactConfig
 from gact.adapt import Items
+from gact.measured import SensitivityMeter
 from gact.plan import mix_seed
 from gact.probes import ProbeSession
 from gact.saved import SavedCompressed
@@ -211,6 +214,33 @@ def estimates(session: ProbeSession, bits: np.ndarray, seed: int) -> dict[str, l
     }
 
 
+def runtime_estimate(
+    controller: Controller, items: Items, closure: Callable[[], None], bits: np.ndarray, seed: int
+) -> dict[str, Any]:
+    """The adapter's estimate (``Adapter.estimate``): one run measures what the training step
+    would (the keys read linearly), probes estimate the rest."""
+    with ProbeSession(
+        controller.model, controller.plan, controller.hooks, closure, controller.run_closure,
+        items.keys, seed=seed, meter=SensitivityMeter(),
+    ) as session:  # fmt: skip
+        session.grad(bits, np.zeros(bits.size, dtype=np.uint64))  # the training step
+    runs = [0]
+
+    def counted() -> None:
+        runs[0] += 1
+        closure()
+
+    found = controller.adapter.estimate(items, counted, controller.run_closure, session.meter)
+    assert found is not None  # a closure is given
+    value, stderr, probed = found
+    return {
+        "runtime": value.tolist(),
+        "runtime_stderr": stderr.tolist(),
+        "runtime_probes": runs[0],
+        "measured": [i not in set(probed.tolist()) for i in range(len(items.keys))],
+    }
+
+
 def pairwise_vs_exact(
     grad: Callable[[gact_policy.ProbeConfig], np.ndarray], bits: np.ndarray, k: int, seed: int
 ) -> np.ndarray:
@@ -243,6 +273,9 @@ def diagnose(model: torch.nn.Module, closure: Callable[[], None], args: argparse
         consumers = consumers_of(controller, closure)
         items = Items.of(controller.ledger.current, cfg.overhead_bits, controller.plan.two_valued)
         probe_bits = np.full(len(items.keys), controller.plan.default_bits, dtype=np.int64)
+        start = time.perf_counter()
+        runtime = runtime_estimate(controller, items, closure, probe_bits, args.seed + step)
+        runtime["seconds"] = time.perf_counter() - start
         with ProbeSession(
             model, controller.plan, controller.hooks, closure, controller.run_closure,
             items.keys, seed=mix_seed(args.seed, step), sketch_width=1 << 26,
@@ -250,6 +283,7 @@ def diagnose(model: torch.nn.Module, closure: Callable[[], None], args: argparse
             assert session.sketch.exact
             start = time.perf_counter()
             est = estimates(session, probe_bits, seed=args.seed + step)
+            est.update(runtime)
             true = truth(session, len(items.keys), args.seeds)
             seconds = time.perf_counter() - start
         controller.step()
@@ -301,8 +335,9 @@ def report(paths: list[str], plot_path: str | None) -> str:
     """Markdown tables (and a PNG) from the JSON records of ``main``."""
     from scipy.stats import spearmanr
 
-    lines = ["| model | step | items | pairwise: probes, rank corr. | reference: probes, "
-             "rank corr. | bias^2 / variance at 2, 4, 8 bits |", "|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| model | step | items | runtime: measured, probes, rank corr. | pairwise: probes, "
+             "rank corr. | reference: probes, rank corr. | bias^2 / variance at 2, 4, 8 bits |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
     kinds: dict[tuple[str, int], list[float]] = {}
     alloc_rows: list[str] = []
     item_rows: list[str] = []
@@ -312,7 +347,9 @@ def report(paths: list[str], plot_path: str | None) -> str:
         n = np.array(recs[0]["numel"])
         for rec in recs:
             est, truth4 = rec["estimates"], _c(rec, 4)
-            rho = [spearmanr(est[k], truth4).correlation for k in ("pairwise", "reference")]
+            rho = [
+                spearmanr(est[k], truth4).correlation for k in ("runtime", "pairwise", "reference")
+            ]
             ratios = []
             for w in WIDTHS:
                 var, bias2 = (np.array(rec["truth"][str(w)][k]) for k in ("var", "bias2"))
@@ -324,8 +361,9 @@ def report(paths: list[str], plot_path: str | None) -> str:
                         kinds.setdefault((node, w), []).append(bias2[i] / var[i])
             lines.append(
                 f"| {d['model']} | {rec['step']} | {len(rec['keys'])} | "
-                f"{est['pairwise_probes']}, {rho[0]:.2f} | {est['reference_probes']}, "
-                f"{rho[1]:.2f} | {', '.join(f'{r:.3g}' for r in ratios)} |"
+                f"{sum(est['measured'])}, {est['runtime_probes']}, {rho[0]:.2f} | "
+                f"{est['pairwise_probes']}, {rho[1]:.2f} | {est['reference_probes']}, "
+                f"{rho[2]:.2f} | {', '.join(f'{r:.3g}' for r in ratios)} |"
             )
         late = recs[-1]
 
@@ -344,6 +382,9 @@ def report(paths: list[str], plot_path: str | None) -> str:
             "probed at step 0 (true)": alloc(_c(recs[0], 4)),
             f"probed at step {late['step']} (pairwise, as the runtime)": alloc(_floored(late)),
             f"optimal at step {late['step']} (true)": alloc(_c(late, 4)),
+            f"measured and probed at step {late['step']} (the runtime now)": alloc(
+                late["estimates"]["runtime"]
+            ),
         }
         for name, bits in candidates.items():
             alloc_rows.append(f"| {d['model']} | {name} | {true_mse(late, bits):.3g} |")
@@ -357,8 +398,8 @@ def report(paths: list[str], plot_path: str | None) -> str:
               "the last step |", "|---|---|---|", *alloc_rows]  # fmt: skip
     steps = "/".join(str(r["step"]) for r in data[0]["records"])
     lines += ["", f"| model | tensor | read by | elements | true c at steps {steps} | "
-              "pairwise, reference at the last step | bits: prior, probed at 0, probed last, "
-              "optimal |", "|---|---|---|---|---|---|---|", *item_rows]  # fmt: skip
+              "runtime, pairwise, reference at the last step | bits: prior, probed at 0, probed "
+              "last, the runtime now, optimal |", "|---|---|---|---|---|---|---|", *item_rows]  # fmt: skip
     if plot_path:
         _plot(data, plot_path)
     return "\n".join(lines)
@@ -368,16 +409,19 @@ def per_item_rows(model: str, recs: list[dict[str, Any]], bits: dict[str, np.nda
     """One row per item: its true sensitivity at every measured step, the two estimates at the
     last step and the width each allocation gives it (``bits``: the candidates of ``report``)."""
     late, names = recs[-1], list(bits)
-    picks = [names[2], names[3], names[5], names[6]]  # prior, probed at 0 and last, optimal
+    # prior, probed at 0 and last, the runtime now, optimal
+    picks = [names[2], names[3], names[5], names[7], names[6]]
     rows = []
     for i, key in enumerate(late["keys"]):
         truth = "/".join(f"{_c(r, 4)[i]:.2g}" for r in recs)
         est = late["estimates"]
         nodes = ", ".join(late["consumers"][i]) or "-"
         widths = ", ".join(str(int(bits[n][i])) if bits[n][i] <= 8 else "32" for n in picks)
+        how = "measured" if est["measured"][i] else "probed"
         rows.append(
             f"| {model} | `{key}` | {nodes} | {late['numel'][i]:,} | {truth} | "
-            f"{est['pairwise'][i]:.2g}, {est['reference'][i]:.2g} | {widths} |"
+            f"{est['runtime'][i]:.2g} ({how}), {est['pairwise'][i]:.2g}, "
+            f"{est['reference'][i]:.2g} | {widths} |"
         )
     return rows
 
@@ -394,10 +438,11 @@ def _plot(data: list[dict[str, Any]], path: str) -> None:
         truth = _c(rec, 4)
         series = {
             "pairwise": rec["estimates"]["pairwise"],
-            "pairwise, floored (as the runtime)": _floored(rec),
+            "pairwise, floored (the runtime before)": _floored(rec),
             "reference": rec["estimates"]["reference"],
+            "measured + pairwise (the runtime)": rec["estimates"]["runtime"],
         }
-        for (label, values), mark in zip(series.items(), ("o", ".", "x")):
+        for (label, values), mark in zip(series.items(), ("o", ".", "x", "+")):
             ax.scatter(truth, np.maximum(values, 1e-9), marker=mark, label=label)
         lo, hi = truth[truth > 0].min(), truth.max()
         ax.plot([lo, hi], [lo, hi], "k--", lw=0.8)

@@ -30,7 +30,11 @@ def test_diagnosis_measures_truth_and_estimates(model, data_root, tmp_path, scri
         assert all(len(v) == n and (v >= 0).all() for v in mse.values())
         # rounding at 2 bits perturbs the gradient far more than at 8 bits
         assert mse["2"].sum() > 100 * mse["8"].sum() > 0
-        assert len(rec["estimates"]["pairwise"]) == len(rec["estimates"]["reference"]) == n
+        est = rec["estimates"]
+        assert len(est["pairwise"]) == len(est["reference"]) == len(est["runtime"]) == n
+        # the linear layers' inputs are measured, the rest probed: fewer probes than pairwise's
+        assert 0 < sum(est["measured"]) < n
+        assert 0 < est["runtime_probes"] < est["pairwise_probes"] + 2
     if model == "bert":  # dropout masks are two-valued: pinned, and quantizing them costs 0
         pinned = np.array(recs[0]["pinned"]) == 1
         assert pinned.any() and (np.array(recs[0]["truth"]["2"]["mse"])[pinned] == 0).all()
@@ -38,3 +42,4 @@ def test_diagnosis_measures_truth_and_estimates(model, data_root, tmp_path, scri
     diagnose.main(["--report", str(out)])
     table = capsys.readouterr().out
     assert "rank corr." in table and "probed at step 1 (pairwise, as the runtime)" in table
+    assert "measured and probed at step 1 (the runtime now)" in table

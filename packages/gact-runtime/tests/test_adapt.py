@@ -132,7 +132,7 @@ def test_probes_on_a_sub_batch_still_measure_small_tensors() -> None:
 
 
 def test_a_failing_adaptation_still_closes_the_step() -> None:
-    model, x, y = make_case("mlp")
+    model, x, y = make_case("cnn")  # its BatchNorm inputs need probes
     calls = {"n": 0}
     closure = make_closure(model, x, y)
 
@@ -201,6 +201,9 @@ def test_memory_budget_needs_an_adaptive_level() -> None:
 
 
 def _adapted_steps(cfg: GactConfig, steps: int, probe_fraction: float = 1.0) -> list[int]:
+    """Steps at which an MLP adapted; its tensors are probed (``measure_linear=False``: every
+    one of them could be measured, test_measured.py)."""
+    cfg = cfg.replace(measure_linear=False)
     model, x, y = make_case("mlp")
     closure = make_closure(model, x, y)
     seen = []
@@ -251,7 +254,12 @@ def test_report_shows_estimates_with_their_uncertainty() -> None:
         controller.iterate(make_closure(model, x, y))
     report = controller.report()
     quantized = [line for line in report.splitlines() if " quantized " in line]
-    assert quantized and all("±" in line for line in quantized)
+    # BatchNorm inputs are probed, the inputs of convolutions and linear layers measured
+    probed = [line for line in quantized if "±" in line]
+    measured = [line for line in quantized if line.split()[5:7][1:] == ["m"]]
+    assert probed and measured and len(probed) + len(measured) == len(quantized), report
+    assert any(line.startswith("bn1#0") for line in probed)
+    assert any(line.startswith("conv1#0") for line in measured)
     # the ReLU outputs are on the zero-exact grid (no mask needed)
     assert any(line.split()[4].endswith("z") for line in quantized)
     assert "sensitivity: the gradient variance" in report.splitlines()[-1]

@@ -319,7 +319,9 @@ def test_step_before_install_is_an_error() -> None:
 
 
 def test_adaptive_level_in_a_plain_loop_warns_that_it_never_adapts() -> None:
-    model, x, y = make_case("mlp")
+    """A model with tensors that need probes (LayerNorm, attention); an MLP adapts in such a
+    loop (test_measured.py)."""
+    model, x, y = make_case("transformer")
     with Controller(
         model, GactConfig.from_level("L2", min_numel=0, adapt_first_gap=0)
     ) as controller:
@@ -364,16 +366,19 @@ def test_original_gact_loop_runs_each_forward_once(level: str) -> None:
         calls.append(1)
         make_closure(model, x, y)()
 
-    cfg = GactConfig.from_level(level, min_numel=0, adapt_first_gap=0)
-    with Controller(model, cfg) as controller:
-        for _ in range(3):
-            make_closure(model, x, y)()
-            optimizer.step()
-            assert controller.iterate(backprop) is None
-    probes = 1 + gact_policy.min_pair_probes(len(controller.plan.bits)) if level == "L2" else 0
-    assert len(calls) >= probes and (len(calls) == 0) == (level == "L1")
-    assert controller.stats()["step"] == 3
-    assert controller.stats()["adaptations"] == (1 if level == "L2" else 0)
+    for measure in (True, False):  # the MLP's tensors are all measured: no probe at all
+        calls.clear()
+        cfg = GactConfig.from_level(level, min_numel=0, adapt_first_gap=0, measure_linear=measure)
+        with Controller(model, cfg) as controller:
+            for _ in range(3):
+                make_closure(model, x, y)()
+                optimizer.step()
+                assert controller.iterate(backprop) is None
+        probes = len(controller.plan.bits) if level == "L2" and not measure else 0
+        probes = probes and 1 + gact_policy.min_pair_probes(probes)
+        assert len(calls) >= probes and (len(calls) == 0) == (level == "L1" or measure)
+        assert controller.stats()["step"] == 3
+        assert controller.stats()["adaptations"] == (1 if level == "L2" else 0)
 
 
 def test_torch_func_runs_while_the_controller_is_paused() -> None:

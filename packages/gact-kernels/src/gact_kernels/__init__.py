@@ -23,7 +23,14 @@ from .buckets import MAX_BOUNDARIES, bucketize
 from .ints import INT_DTYPES, PackedInts, pack_ints, unpack_ints
 from .mask import MASK_DTYPES, PackedMask, pack_mask, unpack_mask
 from .pending import PendingQuantize
-from .quantize import FLOAT_DTYPES, QuantizedTensor, dequantize, quantize, quantize_async
+from .quantize import (
+    FLOAT_DTYPES,
+    QuantizedTensor,
+    dequantize,
+    quantize,
+    quantize_async,
+    rounding_steps,
+)
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -45,6 +52,7 @@ __all__ = [
     "pack_mask",
     "quantize",
     "quantize_async",
+    "rounding_steps",
     "unpack_ints",
     "unpack_mask",
 ]

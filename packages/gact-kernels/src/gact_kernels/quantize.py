@@ -357,6 +357,41 @@ def _no_lossless(device: torch.device, dtype: torch.dtype, group_size: int) -> d
     return empty
 
 
+def rounding_steps(q: QuantizedTensor) -> torch.Tensor:
+    """The step of the grid each element of ``q`` was rounded on, as a float32 tensor of
+    ``q``'s shape and strides: its group's ``scale`` (on the sign-exact grid of ``zero_exact``
+    groups, the step above ``tiny``), and 0 in lossless groups.
+
+    An element ``x`` stochastically rounded to ``x̂`` on a grid of step ``s`` has, with
+    ``d = |x̂ - x|``, rounding variance exactly ``d * (s - d)`` (``t (1 - t) s²`` whichever
+    way it went): the per-element variance of a round trip, without a second draw.
+
+    Args:
+        q: the result of :func:`quantize`.
+
+    Example:
+        >>> import torch, gact_kernels
+        >>> q = gact_kernels.quantize(torch.tensor([0.0, 0.3, 1.5]), 2, group_size=8)
+        >>> gact_kernels.rounding_steps(q).tolist()
+        [0.5, 0.5, 0.5]
+    """
+    if not isinstance(q, QuantizedTensor):
+        raise TypeError(f"q must be a QuantizedTensor, got {type(q).__name__}")
+    # every code at its largest value, on a grid from 0: dequantizes to levels * scale in
+    # the layout of q, which dequantize already knows (channel runs included)
+    probe = dataclasses.replace(
+        q,
+        data=torch.full_like(q.data, 0xFF),
+        lo=torch.zeros_like(q.lo),
+        scale=torch.nan_to_num(q.scale, nan=0.0),
+        lossless_groups=q.lossless_groups[:0],
+        lossless_values=torch.empty((0, q.group_size), device=q.device),
+        dtype=torch.float32,
+        zero_exact=False,
+    )
+    return dequantize(probe).div_((1 << q.bits) - 1)
+
+
 def dequantize(q: QuantizedTensor) -> torch.Tensor:
     """Decompresses ``q`` to a new tensor of its original shape, strides, dtype and device.
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from .errors import GactWarning
 from .ledger import Kind, SiteRecord
+from .measured import SensitivityMeter
 from .plan import BitPlan, mix_seed
 from .probes import ProbeSession
 from .saved import SaveHooks
@@ -133,52 +134,69 @@ class Adapter:
         self.last_step: int | None = None
         self.has_prior = False
         self._items = 0  # items of the last allocation (predicts the probe count)
+        self.last_probed = 0  # items the last adaptation probed
         self._warned_budget = False
 
     def adapt(
         self,
-        closure: Callable[[], Any],
+        closure: Callable[[], Any] | None,
         sites: dict[str, SiteRecord],
         run_closure: Callable[[Callable[[], Any]], Any],
-    ) -> None:
-        """Probe ``closure``, update the smoothed sensitivities and re-allocate bits.
+        meter: SensitivityMeter | None = None,
+    ) -> bool:
+        """Estimate sensitivities, update their smoothed values and re-allocate bits: measured
+        for the keys ``meter`` measured in the step (NOTE [Measured sensitivities] in
+        measured.py), probed by running ``closure`` for the others.
 
         Args:
-            closure: forward + backward on the probe batch.
+            closure: forward + backward on the probe batch; ``None``: no probes can run.
             sites: the open step's records; every quantizable key among them is an item.
             run_closure: runs a closure and checks that it ran a backward.
+            meter: what the step measured, or ``None`` (every item is probed).
+
+        Returns:
+            Whether it adapted: ``False`` when items need probes and ``closure`` is ``None``.
         """
         plan, cfg = self._plan, self._plan.config
         items = Items.of(sites, cfg.overhead_bits, plan.two_valued)
         if not items.keys:
-            return
+            return False
         start = time.perf_counter()
-        estimate = self._probe(items, closure, run_closure)
-        value = estimate.floored()  # NOTE [Floored estimates] in gact_policy
+        found = self.estimate(items, closure, run_closure, meter)
+        if found is None:
+            return False
+        value, stderr, probed = found
         # keys seen for the first time start from their own estimate
         previous = [plan.sensitivity.get(k, float(e)) for k, e in zip(items.keys, value)]
         sensitivity = gact_policy.smooth(previous, value, cfg.sensitivity_momentum)
         bits = self._allocate(items, sensitivity)
         plan.bits = {k: int(b) for k, b in zip(items.keys, bits)}
         plan.sensitivity = {k: float(c) for k, c in zip(items.keys, sensitivity)}
-        plan.stderr = {k: float(e) for k, e in zip(items.keys, estimate.stderr)}
+        plan.stderr = {k: float(e) for k, e in zip(items.keys, stderr)}
+        plan.measured = set(items.keys) - {items.keys[i] for i in probed.tolist()}
         self.count += 1
         self.has_prior = True  # an allocation exists: no prior needed any more
         self.last_step = plan.step
-        self.last_seconds = time.perf_counter() - start
-        self.seconds += self.last_seconds
+        self.last_probed = int(probed.size)
+        spent = time.perf_counter() - start
+        self.seconds += spent  # the meter's own time is counted by the controller
+        self.last_seconds = spent + (meter.seconds if meter is not None else 0.0)
         widths, counts = np.unique(np.where(bits > 8, 0, bits), return_counts=True)
         per_width = (
             f"{f'{w} bits' if w else 'full precision'}: {n}" for w, n in zip(widths, counts)
         )
         logger.info(
-            "GACT adaptation %d at step %d: %d tensors in %.3fs; tensors per width: %s",
+            "GACT adaptation %d at step %d: %d tensors (%d measured, %d probed) in %.3fs; "
+            "tensors per width: %s",
             self.count,
             plan.step,
             len(items.keys),
-            time.perf_counter() - start,
+            len(items.keys) - probed.size,
+            probed.size,
+            self.last_seconds,
             ", ".join(per_width),
         )
+        return True
 
     def allocate_prior(self, sites: dict[str, SiteRecord]) -> None:
         """The allocation made before any probe (see NOTE [Prior allocation])."""
@@ -190,32 +208,91 @@ class Adapter:
         self._items = len(items.keys)
         self.has_prior = True
 
-    def predicted_cost(self, step_seconds: float, probe_fraction: float = 1.0) -> float:
+    def estimate(
+        self,
+        items: Items,
+        closure: Callable[[], Any] | None,
+        run_closure: Callable[[Callable[[], Any]], Any],
+        meter: SensitivityMeter | None,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """Sensitivities of ``items`` and their standard errors: measured where ``meter``
+        measured the key (0 for two-valued items, stored exactly), probed through ``closure``
+        for the rest (floored: NOTE [Floored estimates] in gact_policy); and the indices of the
+        probed items. ``None`` when some item needs probes and ``closure`` is ``None``."""
+        measured = _agreed(meter.sensitivities() if meter is not None else {})
+        if measured:  # two-valued items are stored exactly at their pinned 1 bit
+            measured.update({k: 0.0 for k, p in zip(items.keys, items.pinned) if p})
+        probed = np.array([i for i, k in enumerate(items.keys) if k not in measured], np.int64)
+        if probed.size and closure is None:
+            return None
+        value = np.array([measured.get(k, 0.0) for k in items.keys])
+        stderr = np.zeros_like(value)
+        if probed.size:
+            assert closure is not None
+            remeasured, estimate = self._probe(items, probed, closure, run_closure, measured)
+            value[probed] = estimate.floored()
+            stderr[probed] = estimate.stderr
+            for i, k in enumerate(items.keys):  # in the probes' unit (their batch)
+                value[i] = remeasured.get(k, value[i])
+        return value, stderr, probed
+
+    def unmeasured(self, sites: dict[str, SiteRecord], meter: SensitivityMeter) -> int:
+        """How many of the step's items ``meter`` could not measure (they need probes)."""
+        return sum(
+            1
+            for key, rec in sites.items()
+            if _quantizable(rec) and (key not in meter.seen or key in meter.probed)
+        )
+
+    def predicted_cost(
+        self, step_seconds: float, probe_fraction: float = 1.0, probed: int | None = None
+    ) -> float:
         """Seconds of a first adaptation: its probes, each about ``probe_fraction`` of a
-        training step (the probe batch's share of the step's)."""
-        return (gact_policy.min_pair_probes(self._items) + 1) * probe_fraction * step_seconds
+        training step (the probe batch's share of the step's), for ``probed`` items (default:
+        every item of the last allocation); none when no item needs probes."""
+        probed = self._items if probed is None else probed
+        if probed == 0:
+            return 0.0
+        return (gact_policy.min_pair_probes(probed) + 1) * probe_fraction * step_seconds
 
     def _probe(
         self,
         items: Items,
+        probed: np.ndarray,
         closure: Callable[[], Any],
         run_closure: Callable[[Callable[[], Any]], Any],
-    ) -> gact_policy.SensitivityEstimate:
-        """Run the probes (see NOTE [Probes leave no trace]) and estimate sensitivities."""
+        measured: dict[str, float],
+    ) -> tuple[dict[str, float], gact_policy.SensitivityEstimate]:
+        """Probe the items ``probed`` (see NOTE [Probes leave no trace]), the others keeping
+        their bits and seeds in every probe, and measure the ``measured`` keys again meanwhile
+        (in the probes' unit); returns those measurements, averaged over the probes, and the
+        probed items' estimates."""
         plan, cfg = self._plan, self._plan.config
         probe_bits = np.array(
             [min(plan.bits.get(k, plan.default_bits), 8) for k in items.keys], dtype=np.int64
         )
         probe_bits = np.maximum(probe_bits, items.lower)
         seed = mix_seed(cfg.seed, plan.step)
+        base_seeds = np.array(
+            [mix_seed(seed, 0xBA5E, i) >> 1 for i in range(len(items.keys))], dtype=np.int64
+        )
+        meter = SensitivityMeter() if measured else None
         with ProbeSession(
-            self._model, plan, self._hooks, closure, run_closure, items.keys, seed=seed
-        ) as session:
+            self._model, plan, self._hooks, closure, run_closure, items.keys, seed=seed,
+            meter=meter,
+        ) as session:  # fmt: skip
 
             def grad(probe: gact_policy.ProbeConfig) -> np.ndarray:
-                return session.grad(probe.bits, probe.seeds)
+                bits, seeds = probe_bits.copy(), base_seeds.copy()
+                bits[probed], seeds[probed] = probe.bits, probe.seeds
+                return session.grad(bits, seeds)
 
-            return self._estimate(grad, probe_bits)
+            estimate = self._estimate(grad, probe_bits[probed])
+            runs = session.runs
+        if meter is None:
+            return {}, estimate
+        remeasured = meter.sensitivities()
+        return {k: v / runs for k, v in remeasured.items() if k in measured}, estimate
 
     def _allocate(self, items: Items, sensitivity: np.ndarray) -> np.ndarray:
         """Widths minimising the predicted variance within the level's average or the

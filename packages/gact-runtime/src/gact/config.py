@@ -81,6 +81,11 @@ class GactConfig:
             (``gact_policy.probe_sensitivity``, the paper's Algorithm 1: ``L + 1`` probes).
         num_probes: probes of the ``"pairwise"`` method; ``None`` (or fewer than needed) takes
             the minimum, ``gact_policy.min_pair_probes(L)``. More probes, lower estimation error.
+        measure_linear: measure, in the step's own backward, the sensitivities of tensors read
+            only linearly into a parameter's gradient (inputs of linear layers, convolutions
+            and products with a parameter; NOTE [Measured sensitivities] in measured.py), and
+            probe only the others; a model whose tensors are all measured then adapts without
+            probes, in ``step()`` loops too. ``False`` probes every tensor.
         sensitivity_momentum: weight of the previous estimate in the exponential moving average
             of sensitivities (``gact_policy.smooth``'s ``momentum``), in ``[0, 1)``.
         seed: base seed of the stochastic rounding streams.
@@ -120,6 +125,7 @@ class GactConfig:
     adapt_budget: float = 0.05
     sensitivity_method: str = "pairwise"
     num_probes: int | None = None
+    measure_linear: bool = True
     sensitivity_momentum: float = 0.5
     seed: int = 0
     memory_budget: int | None = None
@@ -163,17 +169,12 @@ class GactConfig:
         if not _is_real(momentum) or not 0.0 <= momentum < 1.0:
             raise ConfigError(f"sensitivity_momentum must be a number in [0, 1), got {momentum!r}")
         _check_int("seed", self.seed, 0, 2**64 - 1)
-        if not isinstance(self.derivative_tables, bool):
-            raise ConfigError(
-                f"derivative_tables must be True or False, got {self.derivative_tables!r}"
-            )
-        if not isinstance(self.channel_groups, bool):
-            raise ConfigError(f"channel_groups must be True or False, got {self.channel_groups!r}")
-        if not isinstance(self.compress_checkpoint_inputs, bool):
-            raise ConfigError(
-                "compress_checkpoint_inputs must be True or False, got "
-                f"{self.compress_checkpoint_inputs!r}"
-            )
+        for flag in (
+            "measure_linear", "derivative_tables", "channel_groups", "compress_checkpoint_inputs"
+        ):  # fmt: skip
+            value = getattr(self, flag)
+            if not isinstance(value, bool):
+                raise ConfigError(f"{flag} must be True or False, got {value!r}")
         if self.memory_budget is not None:
             _check_int("memory_budget", self.memory_budget, 1, none_ok=True)
             if not self.spec.adaptive:

@@ -18,6 +18,7 @@ from .compiled_sites import CompiledSite
 from .config import GactConfig, get_config
 from .errors import ClosureError, GactWarning, HookStateError
 from .ledger import Ledger
+from .measured import SensitivityMeter
 from .params import ParameterFilter
 from .plan import BitPlan
 from .saved import SaveHooks, installed_hooks
@@ -128,6 +129,7 @@ class Controller:
         self._unpacked_at_boundary = 0
         self._step_started = time.perf_counter()
         self._step_seconds = 0.0
+        self._measured_step = 0  # the last step a SensitivityMeter ran in
         self._warned: set[str] = set()
 
     # ----------------------------------------------------------------- configuration
@@ -263,11 +265,13 @@ class Controller:
             )
         if (
             not self._explicit_steps
+            and not self.hooks.probing  # a probe's forward never ends the user's step
             and self.ledger.current
             and self.hooks.unpacked > self._unpacked_at_forward
         ):
             self._end_step("auto")
         self._unpacked_at_forward = self.hooks.unpacked
+        self._arm()
 
     def _on_compiled(self) -> None:
         if not self.hooks.compiled_sites:
@@ -341,28 +345,73 @@ class Controller:
                 raise
         try:
             if self.adaptation_due:
-                self.adapter.adapt(probe_closure or closure, self.ledger.current, self.run_closure)
+                meter = self._disarm()
+                self.adapter.adapt(
+                    probe_closure or closure, self.ledger.current, self.run_closure, meter
+                )
         finally:  # a failed adaptation still ends the step the real closure completed
             self._end_step("iterate")
         return result
 
     @property
     def adaptation_due(self) -> bool:
-        """Whether the open step is one on which an adaptive level probes sensitivities (NOTE
-        [Adaptation schedule] in gact_policy, and NOTE [Prior allocation] in adapt.py)."""
+        """Whether the open step is one on which an adaptive level adapts (NOTE [Adaptation
+        schedule] in gact_policy, and NOTE [Prior allocation] in adapt.py): the schedule says
+        so and the time budget affords it."""
+        if not self._scheduled():
+            return False
+        if self.plan.step == 0:
+            return True  # the original GACT's schedule: nothing to charge it against yet
+        cfg, adapter, meter = self.config, self.adapter, self.hooks.meter
+        trained = self._step_seconds - adapter.seconds
+        per_step = trained / self.plan.step
+        if meter is not None:  # the step measured what it could (spent): the rest needs probes
+            probed = adapter.unmeasured(self.ledger.current, meter)
+            cost = (
+                adapter.last_seconds
+                if probed and adapter.last_probed
+                else adapter.predicted_cost(per_step, self._probe_fraction, probed)
+            )
+        else:
+            cost = adapter.last_seconds or adapter.predicted_cost(per_step, self._probe_fraction)
+        return cfg.schedule.affordable(
+            adapted_seconds=adapter.seconds, trained_seconds=trained, cost_seconds=cost
+        )
+
+    def _scheduled(self) -> bool:
+        """Whether the schedule alone makes the open step an adaptation's (the time budget
+        aside); a step that measured sensitivities without adapting counts as an adaptation's
+        for the schedule, so an unaffordable adaptation is not measured for at every step."""
         cfg, adapter, step = self.config, self.adapter, self.plan.step
         if not cfg.spec.adaptive:
             return False
         if step == 0:
             return cfg.adapt_first_gap == 0  # the original GACT's schedule
-        last = 0 if adapter.last_step is None else adapter.last_step
-        if not cfg.schedule.due(step, last=last):
-            return False
-        trained = self._step_seconds - adapter.seconds
-        cost = adapter.last_seconds or adapter.predicted_cost(trained / step, self._probe_fraction)
-        return cfg.schedule.affordable(
-            adapted_seconds=adapter.seconds, trained_seconds=trained, cost_seconds=cost
-        )
+        last = max(adapter.last_step or 0, self._measured_step)
+        return cfg.schedule.due(step, last=last)
+
+    def _arm(self) -> None:
+        """Measure the open step's linearly read saves, if it is an adaptation's (NOTE
+        [Measured sensitivities] in measured.py)."""
+        adapter = self.adapter
+        if (
+            self.hooks.meter is None
+            and not self.hooks.probing
+            and self.config.measure_linear
+            and self._scheduled()
+            and adapter.seconds <= self.config.adapt_budget * (self._step_seconds - adapter.seconds)
+        ):
+            self.hooks.meter = SensitivityMeter()
+            self.hooks.meter.start()
+
+    def _disarm(self) -> SensitivityMeter | None:
+        """Stop the open step's meter; returns it (``None`` if none ran)."""
+        meter, self.hooks.meter = self.hooks.meter, None
+        if meter is not None:
+            meter.stop()
+            self.adapter.seconds += meter.seconds
+            self._measured_step = self.plan.step
+        return meter
 
     def run_closure(self, closure: Callable[[], T]) -> T:
         """Run ``closure`` and check that it ran a backward pass through the hooks."""
@@ -406,23 +455,29 @@ class Controller:
                 "calling both would count every batch twice; call one of them per batch",
             )
             return
-        if self.adaptation_due and self.ledger.current:
+        self._end_step("step")
+
+    def _adapt_without_probes(self) -> None:
+        """At a step boundary that no closure reaches (``step()``, or the next forward): adapt
+        if due and every item was measured, else say once that probes would be needed."""
+        if not (self.adaptation_due and self.ledger.current):
+            return
+        meter = self._disarm()
+        if not self.adapter.adapt(None, self.ledger.current, self.run_closure, meter):
             self._warn_once(
                 "no adaptation",
                 f"level {self.config.level} probes sensitivities only in iterate(closure), on "
-                "the steps its schedule makes due; this loop calls step() instead, so the "
-                "widths stay those of the prior allocation. Call controller.iterate(closure) on "
-                "those steps (see Controller.adaptation_due)",
+                "the steps its schedule makes due, and this model saves tensors whose "
+                "sensitivity cannot be measured without probes (normalisations, attention, "
+                "pointwise functions); this loop calls step() or never marks steps, so the "
+                "widths stay those of the prior allocation. Call controller.iterate(closure) "
+                "on those steps (see Controller.adaptation_due)",
             )
-        self._end_step("step")
 
     def _end_step(self, boundary: str) -> None:
-        if boundary == "auto" and self.adaptation_due:
-            self._warn_once(
-                "no adaptation",
-                f"level {self.config.level} probes sensitivities only in iterate(closure); this "
-                "loop never calls it, so the widths stay those of the prior allocation",
-            )
+        if boundary != "iterate":
+            self._adapt_without_probes()
+        self._disarm()
         if self.config.spec.adaptive and not self.adapter.has_prior:
             self.adapter.allocate_prior(self.ledger.current)
         now = time.perf_counter()
@@ -467,7 +522,8 @@ class Controller:
         standard error, saves, bytes and stored bytes, then the totals and a legend of the
         columns."""
         exact = {key for key, two_valued in self.plan.two_valued.items() if two_valued}
-        table = self.ledger.table(self.plan.sensitivity, self.plan.stderr, exact)
+        plan = self.plan
+        table = self.ledger.table(plan.sensitivity, plan.stderr, exact, plan.measured)
         kept = [s for s in self.hooks.compiled_sites.values() if s.keep is not None]
         if kept:
             lines = [f"  {site.key}: {site.keep}" for site in sorted(kept, key=lambda s: s.key)]

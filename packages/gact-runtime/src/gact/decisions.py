@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,17 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["DECISION_NODES", "Decision", "DecisionMode", "DecisionSpec", "current_spec"]
+__all__ = [
+    "DECISION_NODES",
+    "Decision",
+    "DecisionMode",
+    "DecisionSpec",
+    "LinearUse",
+    "await_output",
+    "current_spec",
+    "measuring",
+    "set_measuring",
+]
 
 # NOTE [Exact decisions]
 # While a controlled model's forward runs, ``DecisionMode`` (a TorchFunctionMode) sees every call
@@ -140,6 +151,29 @@ def node_family(node: object) -> str:
 
 
 @dataclass(frozen=True)
+class LinearUse:
+    """A call whose backward reads one saved argument only for a parameter's gradient, and
+    linearly (NOTE [Measured sensitivities] in measured.py).
+
+    Args:
+        numel: elements of that argument; its saves during the call (the argument, a view or
+            autocast's copy of it) have as many.
+        conv: ``(stride, padding, dilation, groups, kernel)`` of a convolution, per spatial
+            dimension; ``None``: the gradient is ``g^T x`` over rows of the last dimension
+            (``F.linear``, ``x @ W``, ``addmm``).
+    """
+
+    numel: int
+    conv: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int, tuple[int, ...]] | None
+
+    def reads(self, tensor: torch.Tensor) -> bool:
+        """Whether a save of ``tensor`` made during the call is that argument."""
+        if tensor.numel() != self.numel or tensor.dim() == 0:
+            return False
+        return self.conv is None or tensor.dim() == len(self.conv[4]) + 2
+
+
+@dataclass(frozen=True)
 class DecisionSpec:
     """What the backward of one call decides on its saved tensors.
 
@@ -166,6 +200,11 @@ class DecisionSpec:
         rows_id: ``id()`` of the argument whose save is grouped by rows of ``row_length``
             trailing elements, no group spanning two rows.
         row_length: elements per row of that argument.
+        linear: the call reads one saved argument only linearly into a parameter's gradient;
+            set only while a sensitivity meter runs (``measuring``).
+        only_decisions: the backward reads the call's saves only through the outcomes of
+            ``predicates`` (or of ``y > 0`` on the zero-exact grid), which stay exact, so their
+            rounding never reaches the gradient (NOTE [Measured sensitivities] in measured.py).
     """
 
     predicates: tuple[tuple[bool, float], ...] = ()
@@ -180,6 +219,8 @@ class DecisionSpec:
     exact_numel: int = 0
     rows_id: int | None = None
     row_length: int = 0
+    linear: LinearUse | None = None
+    only_decisions: bool = False
 
     @property
     def decides(self) -> bool:
@@ -207,8 +248,9 @@ class DecisionSpec:
 
 
 _EXACT = DecisionSpec(exact=True)
-_POSITIVE = DecisionSpec(((True, 0.0),))
-_RELU = DecisionSpec(_POSITIVE.predicates, zero_exact=True)
+_POSITIVE = DecisionSpec(((True, 0.0),))  # ELU and the like also read the value below 0
+_LEAKY = DecisionSpec(_POSITIVE.predicates, only_decisions=True)  # reads only the sign
+_RELU = DecisionSpec(_POSITIVE.predicates, zero_exact=True, only_decisions=True)
 
 
 def _arg(args: Sequence[Any], kwargs: dict[str, Any], i: int, name: str, default: Any) -> Any:
@@ -237,7 +279,7 @@ def _between(low: Any, high: Any, *, low_strict: bool, high_strict: bool) -> Dec
         if t is None:
             return _EXACT
         preds.append((strict, t))
-    return DecisionSpec(tuple(preds))
+    return DecisionSpec(tuple(preds), only_decisions=True)
 
 
 def _hardtanh(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec:
@@ -270,7 +312,7 @@ def _shrink(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec:
     if lambd is None:
         return _EXACT
     # the gradient is zero where -lambd <= x <= lambd
-    return DecisionSpec(((False, -lambd), (True, lambd)))
+    return DecisionSpec(((False, -lambd), (True, lambd)), only_decisions=True)
 
 
 def _divisor(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
@@ -344,6 +386,72 @@ def _norm(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
     return _EXACT if isinstance(order, (int, float)) and math.isinf(order) else None
 
 
+def _parameter(value: Any) -> bool:
+    """A leaf tensor whose gradient autograd accumulates (a parameter, cast inside the call
+    under autocast)."""
+    return isinstance(value, torch.Tensor) and value.requires_grad and value.grad_fn is None
+
+
+def _linear_use(x: Any) -> DecisionSpec | None:
+    if not isinstance(x, torch.Tensor) or x.dim() == 0 or not x.numel():
+        return None
+    return DecisionSpec(linear=LinearUse(x.numel(), None))
+
+
+def _linear(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
+    if not measuring() or not _parameter(_arg(args, kwargs, 1, "weight", None)):
+        return None
+    return _linear_use(_arg(args, kwargs, 0, "input", None))
+
+
+def _addmm(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
+    if not measuring():
+        return None
+    mat2 = _arg(args, kwargs, 2, "mat2", None)
+    ok = _parameter(mat2) and mat2.dim() == 2
+    return _linear_use(_arg(args, kwargs, 1, "mat1", None)) if ok else None
+
+
+def _matmul(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
+    if not measuring():
+        return None
+    other = _arg(args, kwargs, 1, "other", kwargs.get("mat2"))
+    ok = _parameter(other) and other.dim() == 2
+    return _linear_use(_arg(args, kwargs, 0, "input", None)) if ok else None
+
+
+def _conv(dims: int) -> _Rule:
+    def rule(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
+        if not measuring():
+            return None
+        x, weight = _arg(args, kwargs, 0, "input", None), _arg(args, kwargs, 1, "weight", None)
+        if not (_parameter(weight) and weight.dim() == dims + 2):
+            return None
+        if not isinstance(x, torch.Tensor) or x.dim() != dims + 2 or not x.numel():
+            return None  # unbatched inputs: not measured
+
+        def per_dim(value: Any) -> tuple[int, ...]:
+            return tuple(value) if isinstance(value, (tuple, list)) else (int(value),) * dims
+
+        kernel = tuple(weight.shape[2:])
+        stride = per_dim(_arg(args, kwargs, 3, "stride", 1))
+        dilation = per_dim(_arg(args, kwargs, 5, "dilation", 1))
+        padding = _arg(args, kwargs, 4, "padding", 0)
+        if padding == "valid":
+            padding = 0
+        elif padding == "same":  # symmetric only when every dilated kernel is odd-sized
+            total = [d * (k - 1) for d, k in zip(dilation, kernel)]
+            if any(t % 2 for t in total):
+                return None
+            padding = tuple(t // 2 for t in total)
+        groups = int(_arg(args, kwargs, 6, "groups", 1))
+        return DecisionSpec(
+            linear=LinearUse(x.numel(), (stride, per_dim(padding), dilation, groups, kernel))
+        )
+
+    return rule
+
+
 _Rule = Callable[[Sequence[Any], dict[str, Any]], "DecisionSpec | None"]
 
 
@@ -364,8 +472,9 @@ def _rules() -> dict[Callable[..., Any], _Rule]:
 
     T = torch.Tensor
     add(relu, F.relu, F.relu_, torch.relu, torch.relu_, T.relu, T.relu_)
-    add(positive, F.leaky_relu, F.leaky_relu_, F.elu, F.elu_, F.selu, F.selu_, F.celu, F.celu_)
-    add(positive, F.prelu, F.rrelu, F.rrelu_, torch.selu, torch.celu)
+    add(_always(_LEAKY), F.leaky_relu, F.leaky_relu_, F.rrelu, F.rrelu_)
+    add(positive, F.elu, F.elu_, F.selu, F.selu_, F.celu, F.celu_)
+    add(positive, F.prelu, torch.selu, torch.celu)
     add(_hardtanh, F.hardtanh, F.hardtanh_)
     add(lambda a, k: _between(0.0, 6.0, low_strict=True, high_strict=True), F.relu6)
     add(lambda a, k: _between(-3.0, 3.0, low_strict=True, high_strict=True), F.hardsigmoid)
@@ -375,7 +484,8 @@ def _rules() -> dict[Callable[..., Any], _Rule]:
     add(_clamp, torch.clamp, torch.clip, T.clamp, T.clamp_, T.clip, T.clip_)
     add(_clamp_min, torch.clamp_min, T.clamp_min, T.clamp_min_)
     add(_clamp_max, torch.clamp_max, T.clamp_max, T.clamp_max_)
-    add(lambda a, k: DecisionSpec(((True, 0.0), (False, 0.0))), torch.abs, T.abs, T.abs_)
+    abs_spec = DecisionSpec(((True, 0.0), (False, 0.0)), only_decisions=True)  # the sign
+    add(_always(abs_spec), torch.abs, T.abs, T.abs_)
     add(_shrink, F.hardshrink, F.softshrink, T.hardshrink)
     add(_norm, torch.norm, T.norm, torch.linalg.vector_norm, torch.linalg.norm)
     add(exact, torch.maximum, torch.minimum, torch.fmax, torch.fmin, T.maximum, T.minimum)
@@ -392,6 +502,12 @@ def _rules() -> dict[Callable[..., Any], _Rule]:
     add(_batch_norm, F.batch_norm, torch.batch_norm)
     add(_row_norm, F.layer_norm, torch.layer_norm)
     add(_row_norm, getattr(F, "rms_norm", None), getattr(torch, "rms_norm", None))
+    add(_linear, F.linear)
+    add(_addmm, torch.addmm, T.addmm)
+    add(_matmul, torch.matmul, torch.mm, T.matmul, T.mm, T.__matmul__)
+    add(_conv(1), F.conv1d)
+    add(_conv(2), F.conv2d)
+    add(_conv(3), F.conv3d)
     return table
 
 
@@ -402,6 +518,7 @@ _ATEN_RULES: dict[str, _Rule] = {
     name: _RULES[func] for func in _RULES if (name := getattr(func, "__name__", "").lstrip("_"))
 }
 _local = threading.local()
+_meters: weakref.WeakSet[object] = weakref.WeakSet()  # running sensitivity meters
 
 
 def _rule(func: Callable[..., Any]) -> _Rule | None:
@@ -414,6 +531,29 @@ def _rule(func: Callable[..., Any]) -> _Rule | None:
 def current_spec() -> DecisionSpec | None:
     """The spec of the decision call running on this thread, if any."""
     return getattr(_local, "spec", None)
+
+
+def measuring() -> bool:
+    """Whether a sensitivity meter runs: calls that read a save linearly into a parameter's
+    gradient then publish a ``LinearUse`` (NOTE [Measured sensitivities] in measured.py);
+    otherwise they cost nothing here."""
+    return bool(_meters)
+
+
+def set_measuring(meter: object, on: bool) -> None:
+    """``meter`` starts (``on``) or stops running; a meter nobody holds any more stops."""
+    if on:
+        _meters.add(meter)
+    else:
+        _meters.discard(meter)
+
+
+def await_output(waiter: Any) -> None:
+    """Call ``waiter.called(out)`` with the output of the ``DecisionMode`` call running on this
+    thread, once it returns (nothing if none runs)."""
+    waiting = getattr(_local, "waiting", None)
+    if waiting is not None:
+        waiting.append(waiter)
 
 
 class Decision:
@@ -454,10 +594,14 @@ class Decision:
                 self.predicates.append((strict, t))
                 self.masks.append(mask)
                 added += mask.nbytes
-        created = getattr(_local, "created", None)
-        if created is not None:  # a DecisionMode call is running: it names the consumers
-            created.append(self)
+        await_output(self)  # the running call's output names the consumers
         return added
+
+    def called(self, out: Any) -> None:
+        """The deciding call returned ``out``: its backward node is a consumer (NOTE above)."""
+        node = out.grad_fn if isinstance(out, torch.Tensor) else None
+        if node is not None:
+            self.consumers.add(type(node).__name__)
 
     def project(self, values: torch.Tensor) -> torch.Tensor:
         """Move, in place, the values whose comparisons differ from the exact outcomes to the
@@ -497,15 +641,12 @@ class DecisionMode(TorchFunctionMode):
         spec = None if rule is None else rule(args, kwargs)
         if spec is None:
             return func(*args, **kwargs)
-        outer, outer_created = current_spec(), getattr(_local, "created", None)
-        _local.spec, _local.created = spec, []
+        outer, outer_waiting = current_spec(), getattr(_local, "waiting", None)
+        _local.spec, _local.waiting = spec, []
         try:
             out = func(*args, **kwargs)
-            node = out.grad_fn if isinstance(out, torch.Tensor) else None
-            if node is not None:
-                name = type(node).__name__
-                for decision in _local.created:
-                    decision.consumers.add(name)
+            for waiter in _local.waiting:
+                waiter.called(out)
             return out
         finally:
-            _local.spec, _local.created = outer, outer_created
+            _local.spec, _local.waiting = outer, outer_waiting

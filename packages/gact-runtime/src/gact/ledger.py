@@ -181,10 +181,16 @@ class Ledger:
         }
 
     def table(
-        self, sensitivity: dict[str, float], stderr: dict[str, float], exact: Collection[str]
+        self,
+        sensitivity: dict[str, float],
+        stderr: dict[str, float],
+        exact: Collection[str],
+        measured: Collection[str] = (),
     ) -> str:
         """The per-tensor report (see ``Controller.report``); ``exact`` are the keys of
-        two-valued tensors, which 1 bit stores exactly (NOTE [Two-valued tensors])."""
+        two-valued tensors, which 1 bit stores exactly (NOTE [Two-valued tensors]);
+        ``measured`` those whose sensitivity was measured, not probed (NOTE [Measured
+        sensitivities])."""
         records, _ = self.view()
         header = ("key", "shape", "dtype", "kind", "bits", "sensitivity", "count", "bytes",
                   "stored")  # fmt: skip
@@ -197,7 +203,9 @@ class Ledger:
                     str(rec.dtype).removeprefix("torch."),
                     rec.kind.value,
                     _bits_cell(rec, rec.key in exact),
-                    _sensitivity_cell(sensitivity.get(rec.key), stderr.get(rec.key)),
+                    _sensitivity_cell(
+                        sensitivity.get(rec.key), stderr.get(rec.key), rec.key in measured
+                    ),
                     str(rec.count),
                     str(rec.original_bytes),
                     str(rec.stored_bytes),
@@ -219,7 +227,8 @@ class Ledger:
             "as floats, which 1 bit stores without error, so its sensitivity is 0 and its "
             "width is pinned); sensitivity: "
             "the gradient variance a tensor adds per unit of S(b) = 1/(2^b-1)^2, smoothed over "
-            "adaptations, ± one standard error of the last estimate; bytes: as autograd would "
+            "adaptations, ± one standard error of the last probed estimate (m: measured in the "
+            "backward, no probe); bytes: as autograd would "
             "hold it; stored: what GACT holds (metadata and masks included)"
         )
         return "\n".join(lines)
@@ -237,9 +246,11 @@ def _bits_cell(rec: SiteRecord, two_valued: bool) -> str:
     return f"{cell}+{rec.mask_bits}m" if rec.mask_bits else cell
 
 
-def _sensitivity_cell(value: float | None, stderr: float | None) -> str:
+def _sensitivity_cell(value: float | None, stderr: float | None, measured: bool) -> str:
     if value is None:
         return "-"
+    if measured:
+        return f"{value:.3g} m"
     return f"{value:.3g}" if not stderr else f"{value:.3g} ± {stderr:.2g}"
 
 

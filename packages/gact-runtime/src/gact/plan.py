@@ -63,6 +63,8 @@ class BitPlan:
         self.bits: dict[str, int] = {}
         self.sensitivity: dict[str, float] = {}
         self.stderr: dict[str, float] = {}  # of the last estimate of each key
+        # keys whose last sensitivity was measured, not probed (NOTE [Measured sensitivities])
+        self.measured: set[str] = set()
         self.probe: ProbeOverride | None = None
         # keys whose tensor fed a decision this runtime could not keep exact (see
         # NOTE [Exact decisions]): kept at full precision from then on

@@ -15,6 +15,7 @@ from .ledger import Ledger
 from .plan import BitPlan, ProbeOverride, mix_seed
 
 if TYPE_CHECKING:
+    from .measured import SensitivityMeter
     from .saved import SaveHooks
 
 __all__ = ["GradientSketch", "ProbeGuard", "ProbeSession"]
@@ -175,6 +176,8 @@ class ProbeSession:
         keys: the items' save-site keys.
         seed: seeds the sketch and the seeds of keys that are not items.
         sketch_width: see ``GradientSketch``.
+        meter: measures linearly read keys during every probe (NOTE [Measured sensitivities]
+            in measured.py), or ``None``; may be set between probes.
     """
 
     def __init__(
@@ -188,8 +191,10 @@ class ProbeSession:
         *,
         seed: int,
         sketch_width: int = 1 << 18,
+        meter: SensitivityMeter | None = None,
     ) -> None:
         self._model, self._plan, self._hooks = model, plan, hooks
+        self.meter = meter
         self._closure, self._run_closure = closure, run_closure
         self._index = {k: i for i, k in enumerate(keys)}
         self._fallback = mix_seed(seed, 0xADA)
@@ -209,10 +214,17 @@ class ProbeSession:
         self._guard.clear_grads()
         self._hooks.ledger = Ledger()
         self.runs += 1
+        meter = self.meter
+        if meter is not None:
+            self._hooks.meter = meter
+            meter.start()
         try:
             self._run_closure(self._closure)
         finally:
             self._plan.probe = None
+            if meter is not None:
+                meter.stop()
+                self._hooks.meter = None
         return self.sketch()
 
     def __exit__(self, *exc: object) -> None:

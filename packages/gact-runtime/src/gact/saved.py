@@ -11,6 +11,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import gact_kernels
 import torch
@@ -26,6 +27,9 @@ from .params import ParameterFilter
 from .plan import BitPlan
 from .scope import ScopeTracker
 from .swap import Swapper, Ticket
+
+if TYPE_CHECKING:
+    from .measured import SensitivityMeter
 
 __all__ = ["SaveHooks", "Saved", "SavedCompressed", "SavedKept", "installed_hooks"]
 
@@ -383,6 +387,7 @@ class SaveHooks:
         self.pending: collections.deque[SavedCompressed] = collections.deque()  # NOTE below
         self.unpacked = 0  # unpack calls so far: tells whether a closure ran a backward
         self.probing = False  # a ProbeSession is running its probes
+        self.meter: SensitivityMeter | None = None  # NOTE [Measured sensitivities]
         self.on_compiled: Callable[[], None] = lambda: None  # set by the Controller
         self.on_unknown_use: Callable[[CompiledSite], None] = lambda site: None
         # what install_hook() pushes: modules torch.compile can trace (NOTE [Compiled saves])
@@ -527,16 +532,32 @@ class SaveHooks:
             hit = hit if isinstance(hit, SavedKept) else None  # a compressed copy would not do
         if hit is not None:
             self.ledger.deduplicated += 1
-            if spec is not None and spec.predicates and isinstance(hit, SavedCompressed):
-                self._decide(hit, tensor, spec)
+            if isinstance(hit, SavedCompressed):
+                if spec is not None and spec.predicates:
+                    self._decide(hit, tensor, spec)
+                if self.meter is not None:
+                    self.meter.saved(hit, tensor, spec)
             return hit
         kind, compact = self._classify(key, tensor, spec, inside=inside, exact=exact)
         if kind is not None:
             saved: Saved = SavedKept(tensor, key)
             self.live.add(tensor, saved, self.tracker.generation)
             self._record_kept(key, tensor, kind)
+            if self.meter is not None and kind is Kind.KEPT and self.plan.bits.get(key, 0) > 8:
+                self.meter.kept(key, tensor, spec, lambda: self._trial(tensor))
             return saved
-        return self._compress(key, tensor, compact, spec)
+        saved = self._compress(key, tensor, compact, spec)
+        if self.meter is not None and isinstance(saved, SavedCompressed):
+            if isinstance(saved.known, gact_kernels.QuantizedTensor):
+                self.meter.saved(saved, tensor, spec)
+        return saved
+
+    def _trial(self, tensor: torch.Tensor) -> gact_kernels.QuantizedTensor:
+        """A throwaway quantization of ``tensor`` at 8 bits, which a key kept at full precision
+        is measured with (NOTE [Measured sensitivities] in measured.py)."""
+        seed = self.plan.seed_for("<trial>", self.ledger.occurrences("<trial>"))
+        data = tensor.detach()
+        return gact_kernels.quantize(data, 8, group_size=self.plan.config.group_size, seed=seed)
 
     def _classify(
         self,

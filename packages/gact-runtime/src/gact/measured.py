@@ -1,0 +1,225 @@
+"""Sensitivities measured in an ordinary backward, for saves read linearly into a parameter's
+gradient (no probe needed)."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import gact_kernels
+import gact_policy
+import torch
+
+from . import decisions
+from .decisions import DecisionSpec, LinearUse
+
+if TYPE_CHECKING:
+    from .saved import SavedCompressed
+
+__all__ = ["SensitivityMeter"]
+
+# NOTE [Measured sensitivities]
+# The input ``x`` of a linear layer, of a product with a parameter (``x @ W``, ``addmm``) or of
+# a convolution reaches the gradient only through that parameter's gradient, and linearly: with
+# the output's gradient ``g``, ``grad W = g^T x`` over rows ``n`` (for a convolution, the
+# correlation of ``g`` with ``x``), while the input's gradient ``g W`` does not read ``x``.
+# Rounding ``x`` to ``x + ε``, with independent zero-mean errors, therefore adds exactly
+#
+#     E‖g^T ε‖² = Σ_n ‖g_n‖² Σ_l Var ε_nl        (linear, matmul)
+#     E‖Δ grad W‖² = Σ_{n,q} T_n(q) Σ_i Var ε_niq  (convolution)
+#
+# to the squared gradient error, nothing more, where ``T_n(q)`` sums ``‖g_n(p)‖²`` (over output
+# channels of ``q``'s group) over every output position ``p`` whose window covers input
+# position ``q``: the input gradient of a convolution with a kernel of ones. Divided by
+# ``S(b)``, that is the key's sensitivity ``c`` of NOTE [Variance model] in gact_policy, in the
+# same unit the probes measure (their sketch keeps squared norms), with no extra forward or
+# backward. The per-element variance is not modelled but read off the stored rounding: with
+# ``d = |x̂ - x|`` and the element's grid step ``s`` (``gact_kernels.rounding_steps``, in any
+# group layout: channel and row groups, lossless groups at 0, the zero-exact grid), it is
+# exactly ``d (s - d) = t (1 - t) s²`` whichever way the element was rounded, so the
+# measurement carries no rounding noise of its own (a single ``d²`` would: 20% off on a tensor
+# of 384 elements). It is taken once at the save, from the dequantized payload, and summed
+# per row (per sample, group of channels and position for a convolution). A hook on the call's output receives ``g`` in the backward and
+# adds the key's term, on the device; the terms are read once, when the adaptation runs.
+#
+# A key is *measured* when every save at it during the step was read that way or only through
+# exact decisions (``DecisionSpec.only_decisions``: ReLU's output on the zero-exact grid, which
+# the following convolution or linear layer also reads, LeakyReLU's sign, Hardtanh's range:
+# their rounding never reaches the gradient, sensitivity 0), or is two-valued (stored exactly
+# at its pinned 1 bit: NOTE [Two-valued tensors] in adapt.py); any other reader
+# (normalisations, attention, pointwise derivatives, products of two activations) leaves it
+# to the probes. Cost, on the steps the meter runs only: one dequantization and one reduction
+# per measured save, one reduction (a ones-kernel convolution) per backward; counted as
+# adaptation time (``seconds``).
+
+
+class SensitivityMeter:
+    """Measures the sensitivities of the keys whose saves are read linearly (NOTE above) over
+    the forwards and backwards that run while it is attached to a controller's hooks.
+
+    Example::
+
+        >>> meter = SensitivityMeter()
+        >>> meter.start()
+        >>> ...  # forward and backward under the controller's hooks, with hooks.meter = meter
+        >>> meter.stop()
+        >>> meter.sensitivities()  # {key: c} of the measured keys
+    """
+
+    def __init__(self) -> None:
+        self._terms: dict[str, list[torch.Tensor]] = {}
+        self._waiting: dict[int, _Measurement] = {}  # measurements whose backward has not run
+        self.seen: set[str] = set()  # keys saved while the meter ran
+        self.probed: set[str] = set()  # ... among them, read some way the meter cannot measure
+        self.seconds = 0.0
+
+    def start(self) -> None:
+        """Make linear calls publish their use (``decisions.measuring``) until ``stop()`` or
+        until nothing holds the meter any more."""
+        decisions.set_measuring(self, True)
+
+    def stop(self) -> None:
+        decisions.set_measuring(self, False)
+
+    def saved(
+        self, saved: SavedCompressed, tensor: torch.Tensor, spec: DecisionSpec | None
+    ) -> None:
+        """``tensor`` was saved as ``saved`` (quantized, or a deduplicated save of it) during a
+        call with ``spec``: measure it if the call reads it linearly."""
+        start = time.perf_counter()
+        key = saved.key
+        self.seen.add(key)
+        use = None if spec is None else spec.linear
+        if use is not None and use.reads(tensor):
+            whole = saved.table is None and saved.expand_to is None and saved.ticket is None
+            payload = saved.held if whole else None
+            measurement = _Measurement.of(self, key, payload, tensor, use)
+            if measurement is None:
+                self.probed.add(key)
+            else:
+                self._waiting[id(measurement)] = measurement
+                decisions.await_output(measurement)
+        elif spec is None or not spec.only_decisions:
+            self.probed.add(key)
+        self.seconds += time.perf_counter() - start
+
+    def kept(self, key: str, tensor: torch.Tensor, spec: DecisionSpec | None, trial: Any) -> None:
+        """``tensor`` was kept at full precision at ``key`` by an allocation: measure what
+        ``trial()`` (a throwaway quantization of it) would add, if the call reads it linearly."""
+        start = time.perf_counter()
+        self.seen.add(key)
+        use = None if spec is None else spec.linear
+        measurement = None
+        if use is not None and use.reads(tensor):
+            measurement = _Measurement.of(self, key, trial(), tensor, use)
+        if measurement is None:
+            self.probed.add(key)
+        else:
+            self._waiting[id(measurement)] = measurement
+            decisions.await_output(measurement)
+        self.seconds += time.perf_counter() - start
+
+    def add(self, measurement: _Measurement, term: torch.Tensor | None) -> None:
+        """The backward of ``measurement`` ran: ``term`` is its sensitivity (``None``: it could
+        not be measured)."""
+        self._waiting.pop(id(measurement), None)
+        if term is None:
+            self.probed.add(measurement.key)
+        else:
+            self._terms.setdefault(measurement.key, []).append(term)
+
+    def sensitivities(self) -> dict[str, float]:
+        """The measured keys' sensitivities, summed over their saves (one device
+        synchronisation per device); keys whose measured backward never ran are left out."""
+        start = time.perf_counter()
+        unfinished = {m.key for m in self._waiting.values()}
+        keys = sorted(self.seen - self.probed - unfinished)
+        out = {key: 0.0 for key in keys}  # read only through exact decisions: no noise
+        by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+        for key in keys:
+            for term in self._terms.get(key, ()):
+                by_device.setdefault(term.device, []).append((key, term))
+        for rows in by_device.values():
+            values = torch.stack([t for _, t in rows]).double().cpu().tolist()
+            for (key, _), value in zip(rows, values):
+                out[key] += value
+        self.seconds += time.perf_counter() - start
+        return out
+
+
+class _Measurement:
+    """One measured save: its per-row rounding error mass, waiting for its call's output
+    gradient."""
+
+    __slots__ = ("factor", "key", "mass", "meter", "use")
+
+    def __init__(
+        self, meter: SensitivityMeter, key: str, mass: torch.Tensor, bits: int, use: LinearUse
+    ) -> None:
+        self.meter, self.key, self.mass, self.use = meter, key, mass, use
+        self.factor = float(gact_policy.variance_factor(bits))
+
+    @classmethod
+    def of(
+        cls,
+        meter: SensitivityMeter,
+        key: str,
+        payload: gact_kernels.Compressed | None,
+        tensor: torch.Tensor,
+        use: LinearUse,
+    ) -> _Measurement | None:
+        """The measurement of ``tensor`` stored as ``payload`` (``None`` or not a quantized
+        container holding its values as they are: not measurable)."""
+        if not isinstance(payload, gact_kernels.QuantizedTensor):
+            return None
+        with torch.no_grad():  # the exact variance d (s - d): gact_kernels.rounding_steps
+            values = gact_kernels.decompress(payload).view(tensor.shape)
+            steps = gact_kernels.rounding_steps(payload).view(tensor.shape)
+            d = values.float().sub_(tensor.detach().float()).abs_().nan_to_num_(0.0)
+            error = steps.sub_(d).mul_(d).clamp_(min=0.0)
+            if use.conv is None:
+                mass = error.reshape(-1, tensor.shape[-1]).sum(1)
+            else:
+                groups = use.conv[3]
+                n, c = tensor.shape[:2]
+                mass = error.view(n, groups, c // groups, *tensor.shape[2:]).sum(2)
+        return cls(meter, key, mass, payload.bits, use)
+
+    def called(self, out: Any) -> None:
+        """The call returned ``out``: its gradient is ``g`` (see ``decisions.await_output``)."""
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(self._grad)
+        else:
+            self.meter.add(self, None)
+
+    def _grad(self, g: torch.Tensor) -> None:
+        start = time.perf_counter()
+        with torch.no_grad():
+            term = _term(self.mass, g.detach(), self.use)
+        self.meter.add(self, None if term is None else term / self.factor)
+        self.meter.seconds += time.perf_counter() - start
+
+
+def _term(mass: torch.Tensor, g: torch.Tensor, use: LinearUse) -> torch.Tensor | None:
+    """``Σ ‖g_n‖² mass_n`` (NOTE [Measured sensitivities]); ``None`` if the shapes disagree."""
+    square = g.float().square()
+    if use.conv is None:
+        rows = square.reshape(-1, g.shape[-1]).sum(1)
+        return None if rows.shape != mass.shape else rows.dot(mass)
+    stride, padding, dilation, groups, kernel = use.conv
+    n, out_channels = g.shape[:2]
+    if g.dim() != mass.dim() or n != mass.shape[0] or out_channels % groups:
+        return None
+    square = square.view(n, groups, out_channels // groups, *g.shape[2:]).sum(2)
+    ones = torch.ones((groups, 1, *kernel), dtype=square.dtype, device=square.device)
+    reach = _CONV_INPUT[len(kernel)](
+        mass.shape, ones, square, stride=stride, padding=padding, dilation=dilation, groups=groups
+    )
+    return reach.mul_(mass).sum()
+
+
+_CONV_INPUT = {
+    1: torch.nn.grad.conv1d_input,
+    2: torch.nn.grad.conv2d_input,
+    3: torch.nn.grad.conv3d_input,
+}
