@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 
 import pytest
 import torch
-from gact_examples.train import REQUIRED_KEYS
+from gact_examples.train import REQUIRED_KEYS, probe_rows
 
 GNN, VISION, TEXT = "gnn/train_gnn.py", "vision/train_vision.py", "text/train_char_gpt.py"
 BERT = "hf/train_bert_classifier.py"
@@ -144,6 +145,30 @@ def test_missing_data_folder_is_a_usage_error(script, monkeypatch, capsys):
     with pytest.raises(SystemExit) as exc:
         script(GNN).main(["--epochs", "1"])
     assert exc.value.code == 2 and "--data" in capsys.readouterr().err
+
+
+def test_probes_run_on_a_quarter_of_the_batch_by_default():
+    """``--probe-batch``: the probe closure runs on the first rows of the batch, and its share
+    is what the controller is told; a probe batch as large as the batch probes the batch."""
+    rows_seen = []
+
+    def closure(rows=None):
+        rows_seen.append(rows)
+        return torch.zeros(())
+
+    probe, fraction = probe_rows(argparse.Namespace(probe_batch=None), 64, closure)
+    probe()
+    assert rows_seen == [16] and fraction == 0.25
+    probe, fraction = probe_rows(argparse.Namespace(probe_batch=8), 64, closure)
+    assert fraction == 0.125
+    assert probe_rows(argparse.Namespace(probe_batch=64), 64, closure) is None
+    assert probe_rows(argparse.Namespace(probe_batch=None), 3, closure) is not None
+
+
+def test_a_probe_batch_below_one_is_a_usage_error(data_root, capsys, script):
+    with pytest.raises(SystemExit) as exc:
+        script(VISION).main(["--data", str(data_root), "--probe-batch", "0"])
+    assert exc.value.code == 2 and "--probe-batch" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("model", ["resnet18", "vit", "llama"])

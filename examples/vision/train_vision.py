@@ -21,7 +21,15 @@ import torch
 import torch.nn.functional as F
 from gact_examples.data import load_cifar10, load_digits_split, load_mnist
 from gact_examples.models import ResNetSmall
-from gact_examples.train import Run, base_parser, check_args, finish, progress, setup
+from gact_examples.train import (
+    Run,
+    base_parser,
+    check_args,
+    finish,
+    probe_rows,
+    progress,
+    setup,
+)
 
 # per-channel mean/std of the training images (0..1 scale)
 NORM = {
@@ -128,9 +136,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     xb = yb = None
 
-    def closure() -> torch.Tensor:
+    def closure(rows: int | None = None) -> torch.Tensor:
         model.train()
-        loss = F.cross_entropy(model(xb), yb)
+        loss = F.cross_entropy(model(xb[:rows]), yb[:rows])
         optimizer.zero_grad()
         loss.backward()
         return loss
@@ -147,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 idx = torch.arange(step * args.batch_size, (step + 1) * args.batch_size) % n_train
             xb = pre(data["x_train"][idx], train=True)
             yb = data["y_train"][idx].to(device)
-            loss = run.step(closure)
+            loss = run.step(closure, probe_rows(args, len(yb), closure))
             optimizer.step()
             sched.step()
             if (step + 1) % 10 == 0:

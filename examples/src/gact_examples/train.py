@@ -13,6 +13,7 @@ The pieces, in the order a script uses them:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -97,6 +98,13 @@ def base_parser(
     p.add_argument("--epochs", type=int, default=epochs)
     if batch_size is not None:
         p.add_argument("--batch-size", type=int, default=batch_size)
+        p.add_argument(
+            "--probe-batch",
+            type=int,
+            default=None,
+            help="adaptive levels: sensitivity probes run on the first this many rows of the "
+            "step's batch (default: a quarter of it; the tensors read linearly need no probe)",
+        )
     p.add_argument("--lr", type=float, default=None, help="learning rate (default per model)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -163,8 +171,9 @@ def check_args(
             f"--device {args.device}: torch.cuda.is_available() is False here (CPU build of "
             "torch, or no GPU); use --device cpu"
         )
-    for name in ("epochs", "mem_steps", "batch_size"):
-        if getattr(args, name, 1) < 1:
+    for name in ("epochs", "mem_steps", "batch_size", "probe_batch"):
+        value = getattr(args, name, None)  # None: the option is absent or left to its default
+        if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
 
 
@@ -191,6 +200,17 @@ def progress(iterable: Iterable[T], args: argparse.Namespace, **kw: Any) -> Iter
 
     disable = args.no_progress or not sys.stderr.isatty()
     return tqdm(iterable, disable=disable, dynamic_ncols=True, leave=False, **kw)
+
+
+def probe_rows(
+    args: argparse.Namespace, rows: int, closure: Callable[..., torch.Tensor]
+) -> tuple[Callable[[], torch.Tensor], float] | None:
+    """``Run.step``'s ``probe``: ``closure(n)`` on the first ``n = --probe-batch`` rows of a
+    batch of ``rows`` (default: a quarter of them), or ``None`` when that is the whole batch."""
+    n = args.probe_batch or max(1, rows // 4)
+    if n >= rows:
+        return None
+    return functools.partial(closure, n), n / rows
 
 
 def selected_epoch(val_losses: Sequence[float]) -> int:
@@ -293,11 +313,21 @@ class Run:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def step(self, closure: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def step(
+        self,
+        closure: Callable[[], torch.Tensor],
+        probe: tuple[Callable[[], torch.Tensor], float] | None = None,
+    ) -> torch.Tensor:
         """One training iteration, timed: ``closure`` runs forward, loss, zero_grad, backward.
 
         With GACT the closure goes through ``controller.iterate``, which also adapts the bits
         when an adaptive level is due; the caller runs ``optimizer.step()`` afterwards.
+
+        Args:
+            closure: the iteration.
+            probe: the same closure on a sub-batch for the sensitivity probes, and that
+                sub-batch's share of the batch (``iterate``'s ``probe_closure`` and
+                ``probe_fraction``); ``None``: probes run ``closure``.
 
         Returns:
             The loss ``closure`` returned, detached.
@@ -307,7 +337,11 @@ class Run:
 
         def iteration() -> torch.Tensor:
             if self.controller is not None:
-                return self.controller.iterate(closure)
+                if probe is None:
+                    return self.controller.iterate(closure)
+                return self.controller.iterate(
+                    closure, probe_closure=probe[0], probe_fraction=probe[1]
+                )
             return closure()
 
         cpu_memory_run = self.args.get_mem and self.device.type == "cpu"
@@ -344,14 +378,15 @@ class Run:
         for step in bar:
             batch = next_batch()
 
-            def closure() -> torch.Tensor:
+            def closure(rows: int | None = None) -> torch.Tensor:
                 self.model.train()
-                loss = loss_of(batch)  # noqa: B023 (runs before the next batch is drawn)
+                part = batch if rows is None else tuple(t[:rows] for t in batch)  # noqa: B023
+                loss = loss_of(part)  # runs before the next batch is drawn
                 optimizer.zero_grad()
                 loss.backward()
                 return loss
 
-            loss = self.step(closure)
+            loss = self.step(closure, probe_rows(self.args, len(batch[0]), closure))
             optimizer.step()
             scheduler.step()
             if (step + 1) % 25 == 0:

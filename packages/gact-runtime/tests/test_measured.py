@@ -252,3 +252,34 @@ def test_padding_same_is_measured_as_its_explicit_padding() -> None:
         values.append(value)
     assert values[0] == pytest.approx(values[1], rel=1e-6)
     assert 0 < values[2] < values[1]
+
+
+def test_an_adaptation_waiting_for_the_budget_is_measured_once() -> None:
+    """The first measured step tells that probes are needed and that the budget cannot pay
+    for them: the steps after it, still due, are not measured again (NOTE [Measuring steps])."""
+    model, x, y = make_case("transformer")
+    cfg = GactConfig.from_level("L2", min_numel=0, adapt_first_gap=1, adapt_budget=1e-9)
+    armed: list[bool] = []
+    with Controller(model, cfg) as controller:
+        model.register_forward_hook(lambda *_: armed.append(controller.hooks.meter is not None))
+        for _ in range(6):
+            controller.iterate(make_closure(model, x, y))
+    assert armed == [False, True, False, False, False, False]
+    assert controller.adapter.count == 0  # never affordable
+
+
+def test_tensors_kept_at_full_precision_are_still_measured() -> None:
+    """A budget large enough for full precision keeps the MLP's tensors as they are; later
+    adaptations measure them through a throwaway 8-bit quantization, so none needs probes."""
+    model, counted, calls = _counted("mlp")
+    cfg = GactConfig.from_level(
+        "L2", min_numel=0, adapt_first_gap=1, adapt_budget=1e6, memory_budget=1 << 30
+    )
+    with Controller(model, cfg) as controller:
+        for _ in range(5):
+            controller.iterate(counted)
+    plan = controller.plan
+    assert controller.adapter.count >= 2 and calls[0] == 5  # no probe
+    assert any(b > 8 for b in plan.bits.values())
+    assert plan.measured == set(plan.bits)
+    assert plan.sensitivity["fc1#0:float32:2d"] > 0  # the input x, kept, yet measured

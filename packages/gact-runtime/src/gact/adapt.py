@@ -22,7 +22,7 @@ from .plan import BitPlan, mix_seed
 from .probes import ProbeSession
 from .saved import SaveHooks
 
-__all__ = ["Adapter", "Items"]
+__all__ = ["Adapter", "Items", "rank_zeros"]
 
 logger = logging.getLogger("gact")
 
@@ -77,7 +77,7 @@ class Items:
             for r in sites.values()
             if r.kind is not Kind.PARAMETER and not _quantizable(r)
         )
-        rows, fixed = _agreed((rows, fixed))
+        rows, fixed = rank_zeros((rows, fixed))
         return cls(
             keys=[row[0] for row in rows],
             numel=np.array([row[1] for row in rows], dtype=np.int64),
@@ -219,7 +219,7 @@ class Adapter:
         measured the key (0 for two-valued items, stored exactly), probed through ``closure``
         for the rest (floored: NOTE [Floored estimates] in gact_policy); and the indices of the
         probed items. ``None`` when some item needs probes and ``closure`` is ``None``."""
-        measured = _agreed(meter.sensitivities() if meter is not None else {})
+        measured = rank_zeros(meter.sensitivities() if meter is not None else {})
         if measured:  # two-valued items are stored exactly at their pinned 1 bit
             measured.update({k: 0.0 for k, p in zip(items.keys, items.pinned) if p})
         probed = np.array([i for i, k in enumerate(items.keys) if k not in measured], np.int64)
@@ -291,7 +291,7 @@ class Adapter:
             runs = session.runs
         if meter is None:
             return {}, estimate
-        remeasured = meter.sensitivities()
+        remeasured = rank_zeros(meter.sensitivities())  # each rank's g is its own shard's
         return {k: v / runs for k, v in remeasured.items() if k in measured}, estimate
 
     def _allocate(self, items: Items, sensitivity: np.ndarray) -> np.ndarray:
@@ -351,7 +351,7 @@ class Adapter:
         )
 
 
-def _agreed(value: Any) -> Any:
+def rank_zeros(value: Any) -> Any:
     """Rank 0's ``value`` on every rank of an initialised process group; ``value`` otherwise."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return value

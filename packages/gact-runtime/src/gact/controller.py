@@ -13,7 +13,7 @@ from typing import Any, Callable, TypeVar
 import torch
 from torch import nn
 
-from .adapt import Adapter
+from .adapt import Adapter, rank_zeros
 from .compiled_sites import CompiledSite
 from .config import GactConfig, get_config
 from .errors import ClosureError, GactWarning, HookStateError
@@ -129,7 +129,7 @@ class Controller:
         self._unpacked_at_boundary = 0
         self._step_started = time.perf_counter()
         self._step_seconds = 0.0
-        self._measured_step = 0  # the last step a SensitivityMeter ran in
+        self._unmeasured: int | None = None  # items the last meter left to probes
         self._warned: set[str] = set()
 
     # ----------------------------------------------------------------- configuration
@@ -344,7 +344,7 @@ class Controller:
                 self.ledger.discard()
                 raise
         try:
-            if self.adaptation_due:
+            if self._due_on_every_rank():
                 meter = self._disarm()
                 self.adapter.adapt(
                     probe_closure or closure, self.ledger.current, self.run_closure, meter
@@ -362,44 +362,56 @@ class Controller:
             return False
         if self.plan.step == 0:
             return True  # the original GACT's schedule: nothing to charge it against yet
-        cfg, adapter, meter = self.config, self.adapter, self.hooks.meter
-        trained = self._step_seconds - adapter.seconds
-        per_step = trained / self.plan.step
+        meter = self.hooks.meter
         if meter is not None:  # the step measured what it could (spent): the rest needs probes
-            probed = adapter.unmeasured(self.ledger.current, meter)
-            cost = (
-                adapter.last_seconds
-                if probed and adapter.last_probed
-                else adapter.predicted_cost(per_step, self._probe_fraction, probed)
-            )
-        else:
+            return self._affordable(self.adapter.unmeasured(self.ledger.current, meter))
+        return self._affordable(None)
+
+    def _affordable(self, probed: int | None) -> bool:
+        """Whether the time budget affords an adaptation that probes ``probed`` items
+        (``None``: as many as the last adaptation, or every item before any)."""
+        cfg, adapter = self.config, self.adapter
+        trained = self._step_seconds - adapter.seconds
+        per_step = trained / max(self.plan.step, 1)
+        if probed is None or (probed and adapter.last_probed):
             cost = adapter.last_seconds or adapter.predicted_cost(per_step, self._probe_fraction)
+        else:
+            cost = adapter.predicted_cost(per_step, self._probe_fraction, probed)
         return cfg.schedule.affordable(
             adapted_seconds=adapter.seconds, trained_seconds=trained, cost_seconds=cost
         )
 
     def _scheduled(self) -> bool:
         """Whether the schedule alone makes the open step an adaptation's (the time budget
-        aside); a step that measured sensitivities without adapting counts as an adaptation's
-        for the schedule, so an unaffordable adaptation is not measured for at every step."""
+        aside): the same on every rank."""
         cfg, adapter, step = self.config, self.adapter, self.plan.step
         if not cfg.spec.adaptive:
             return False
         if step == 0:
             return cfg.adapt_first_gap == 0  # the original GACT's schedule
-        last = max(adapter.last_step or 0, self._measured_step)
+        last = 0 if adapter.last_step is None else adapter.last_step
         return cfg.schedule.due(step, last=last)
 
+    def _due_on_every_rank(self) -> bool:
+        """``adaptation_due``, rank 0's under torch.distributed (the budget check reads each
+        rank's own clock; ranks that disagreed would wait for each other's probes forever)."""
+        return self._scheduled() and rank_zeros(self.adaptation_due)
+
+    # NOTE [Measuring steps]
+    # A step is measured (NOTE [Measured sensitivities] in measured.py) when the schedule makes
+    # it an adaptation's and the adaptation it serves looks affordable: the first time always
+    # (it tells which tensors need probes), then when the budget affords probing the tensors
+    # the last measurement left to probes. So an adaptation that waits for the budget does not
+    # pay a measurement at every step while it waits, and one that measures adapts, at the
+    # step's end, with no probe for the tensors it measured.
     def _arm(self) -> None:
-        """Measure the open step's linearly read saves, if it is an adaptation's (NOTE
-        [Measured sensitivities] in measured.py)."""
-        adapter = self.adapter
+        """Attach a meter to the open step if it is a measuring one (NOTE above)."""
         if (
             self.hooks.meter is None
             and not self.hooks.probing
             and self.config.measure_linear
             and self._scheduled()
-            and adapter.seconds <= self.config.adapt_budget * (self._step_seconds - adapter.seconds)
+            and (self._unmeasured is None or self._affordable(self._unmeasured))
         ):
             self.hooks.meter = SensitivityMeter()
             self.hooks.meter.start()
@@ -410,7 +422,7 @@ class Controller:
         if meter is not None:
             meter.stop()
             self.adapter.seconds += meter.seconds
-            self._measured_step = self.plan.step
+            self._unmeasured = self.adapter.unmeasured(self.ledger.current, meter)
         return meter
 
     def run_closure(self, closure: Callable[[], T]) -> T:
@@ -460,7 +472,7 @@ class Controller:
     def _adapt_without_probes(self) -> None:
         """At a step boundary that no closure reaches (``step()``, or the next forward): adapt
         if due and every item was measured, else say once that probes would be needed."""
-        if not (self.adaptation_due and self.ledger.current):
+        if not (self.ledger.current and self._due_on_every_rank()):
             return
         meter = self._disarm()
         if not self.adapter.adapt(None, self.ledger.current, self.run_closure, meter):

@@ -4,6 +4,7 @@ gradient (no probe needed)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import gact_kernels
@@ -86,14 +87,32 @@ class SensitivityMeter:
     ) -> None:
         """``tensor`` was saved as ``saved`` (quantized, or a deduplicated save of it) during a
         call with ``spec``: measure it if the call reads it linearly."""
+        whole = saved.table is None and saved.expand_to is None and saved.ticket is None
+        self._observe(saved.key, tensor, spec, lambda: saved.held if whole else None)
+
+    def kept(
+        self,
+        key: str,
+        tensor: torch.Tensor,
+        spec: DecisionSpec | None,
+        trial: Callable[[], gact_kernels.QuantizedTensor],
+    ) -> None:
+        """``tensor`` was kept at full precision at ``key`` by an allocation: measure what
+        ``trial()`` (a throwaway quantization of it) would add, if the call reads it linearly."""
+        self._observe(key, tensor, spec, trial)
+
+    def _observe(
+        self,
+        key: str,
+        tensor: torch.Tensor,
+        spec: DecisionSpec | None,
+        payload: Callable[[], gact_kernels.Compressed | None],
+    ) -> None:
         start = time.perf_counter()
-        key = saved.key
         self.seen.add(key)
         use = None if spec is None else spec.linear
         if use is not None and use.reads(tensor):
-            whole = saved.table is None and saved.expand_to is None and saved.ticket is None
-            payload = saved.held if whole else None
-            measurement = _Measurement.of(self, key, payload, tensor, use)
+            measurement = _Measurement.of(self, key, payload(), tensor, use)
             if measurement is None:
                 self.probed.add(key)
             else:
@@ -101,22 +120,6 @@ class SensitivityMeter:
                 decisions.await_output(measurement)
         elif spec is None or not spec.only_decisions:
             self.probed.add(key)
-        self.seconds += time.perf_counter() - start
-
-    def kept(self, key: str, tensor: torch.Tensor, spec: DecisionSpec | None, trial: Any) -> None:
-        """``tensor`` was kept at full precision at ``key`` by an allocation: measure what
-        ``trial()`` (a throwaway quantization of it) would add, if the call reads it linearly."""
-        start = time.perf_counter()
-        self.seen.add(key)
-        use = None if spec is None else spec.linear
-        measurement = None
-        if use is not None and use.reads(tensor):
-            measurement = _Measurement.of(self, key, trial(), tensor, use)
-        if measurement is None:
-            self.probed.add(key)
-        else:
-            self._waiting[id(measurement)] = measurement
-            decisions.await_output(measurement)
         self.seconds += time.perf_counter() - start
 
     def add(self, measurement: _Measurement, term: torch.Tensor | None) -> None:
