@@ -92,6 +92,7 @@ def test_public_api() -> None:
         "pack_mask",
         "quantize",
         "quantize_async",
+        "rounding_steps",
         "unpack_ints",
         "unpack_mask",
     ]
