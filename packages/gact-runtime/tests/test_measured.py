@@ -269,17 +269,31 @@ def test_an_adaptation_waiting_for_the_budget_is_measured_once() -> None:
 
 
 def test_tensors_kept_at_full_precision_are_still_measured() -> None:
-    """A budget large enough for full precision keeps the MLP's tensors as they are; later
-    adaptations measure them through a throwaway 8-bit quantization, so none needs probes."""
-    model, counted, calls = _counted("mlp")
+    """A budget large enough for full precision keeps the tensors as they are; later
+    adaptations measure them through a throwaway 8-bit quantization, so none needs probes,
+    including a ReLU output that the next linear layer also reads (one shared save)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    calls = [0]
+
+    def counted() -> torch.Tensor:
+        calls[0] += 1
+        return make_closure(model, x, y)()
+
     cfg = GactConfig.from_level(
         "L2", min_numel=0, adapt_first_gap=1, adapt_budget=1e6, memory_budget=1 << 30
     )
+    widths = []
     with Controller(model, cfg) as controller:
         for _ in range(5):
             controller.iterate(counted)
+            widths.append(sorted(controller.plan.bits.values()))
     plan = controller.plan
     assert controller.adapter.count >= 2 and calls[0] == 5  # no probe
-    assert any(b > 8 for b in plan.bits.values())
+    assert set(plan.bits) == {"0#0:float32:2d", "1#0:float32:2d"}
+    # every allocation keeps both at full precision: a ReLU output measured as if only ReLU
+    # read it (sensitivity 0) would drop to 1 bit
+    assert widths == [[32, 32]] * 5
     assert plan.measured == set(plan.bits)
-    assert plan.sensitivity["fc1#0:float32:2d"] > 0  # the input x, kept, yet measured
+    assert all(c > 0 for c in plan.sensitivity.values())

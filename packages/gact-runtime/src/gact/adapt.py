@@ -274,8 +274,8 @@ class Adapter:
         probe_bits = np.maximum(probe_bits, items.lower)
         seed = mix_seed(cfg.seed, plan.step)
         base_seeds = np.array(
-            [mix_seed(seed, 0xBA5E, i) >> 1 for i in range(len(items.keys))], dtype=np.int64
-        )
+            [mix_seed(seed, 0xBA5E, i) >> 1 for i in range(len(items.keys))], dtype=np.uint64
+        )  # the seeds of the items a probe does not re-seed
         meter = SensitivityMeter() if measured else None
         with ProbeSession(
             self._model, plan, self._hooks, closure, run_closure, items.keys, seed=seed,

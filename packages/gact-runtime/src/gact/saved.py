@@ -532,32 +532,40 @@ class SaveHooks:
             hit = hit if isinstance(hit, SavedKept) else None  # a compressed copy would not do
         if hit is not None:
             self.ledger.deduplicated += 1
-            if isinstance(hit, SavedCompressed):
-                if spec is not None and spec.predicates:
-                    self._decide(hit, tensor, spec)
-                if self.meter is not None:
-                    self.meter.saved(hit, tensor, spec)
+            if isinstance(hit, SavedCompressed) and spec is not None and spec.predicates:
+                self._decide(hit, tensor, spec)
+            if self.meter is not None:
+                self._measure(hit, tensor, spec)
             return hit
         kind, compact = self._classify(key, tensor, spec, inside=inside, exact=exact)
         if kind is not None:
             saved: Saved = SavedKept(tensor, key)
             self.live.add(tensor, saved, self.tracker.generation)
             self._record_kept(key, tensor, kind)
-            if self.meter is not None and kind is Kind.KEPT and self.plan.bits.get(key, 0) > 8:
-                self.meter.kept(key, tensor, spec, lambda: self._trial(tensor))
+            if self.meter is not None:
+                self._measure(saved, tensor, spec)
             return saved
         saved = self._compress(key, tensor, compact, spec)
-        if self.meter is not None and isinstance(saved, SavedCompressed):
-            if isinstance(saved.known, gact_kernels.QuantizedTensor):
-                self.meter.saved(saved, tensor, spec)
+        if self.meter is not None:
+            self._measure(saved, tensor, spec)
         return saved
 
-    def _trial(self, tensor: torch.Tensor) -> gact_kernels.QuantizedTensor:
-        """A throwaway quantization of ``tensor`` at 8 bits, which a key kept at full precision
-        is measured with (NOTE [Measured sensitivities] in measured.py)."""
-        seed = self.plan.seed_for("<trial>", self.ledger.occurrences("<trial>"))
-        data = tensor.detach()
-        return gact_kernels.quantize(data, 8, group_size=self.plan.config.group_size, seed=seed)
+    def _measure(self, saved: Saved, tensor: torch.Tensor, spec: DecisionSpec | None) -> None:
+        """Show the meter a save of ``tensor`` made during a call with ``spec`` (NOTE [Measured
+        sensitivities] in measured.py): a quantized one, or one kept at full precision by an
+        allocation, measured through a throwaway 8-bit quantization."""
+        assert self.meter is not None
+        if isinstance(saved, SavedCompressed):
+            if isinstance(saved.known, gact_kernels.QuantizedTensor):
+                self.meter.saved(saved, tensor, spec)
+        elif self.plan.bits.get(saved.key, 0) > 8:  # not quantizable otherwise: not an item
+
+            def trial() -> gact_kernels.QuantizedTensor:
+                seed = self.plan.seed_for("<trial>", 0)
+                group = self.plan.config.group_size
+                return gact_kernels.quantize(tensor.detach(), 8, group_size=group, seed=seed)
+
+            self.meter.kept(saved.key, tensor, spec, trial)
 
     def _classify(
         self,
