@@ -40,8 +40,10 @@ __all__ = ["SensitivityMeter"]
 # exactly ``d (s - d) = t (1 - t) s²`` whichever way the element was rounded, so the
 # measurement carries no rounding noise of its own (a single ``d²`` would: 20% off on a tensor
 # of 384 elements). It is taken once at the save, from the dequantized payload, and summed
-# per row (per sample, group of channels and position for a convolution). A hook on the call's output receives ``g`` in the backward and
-# adds the key's term, on the device; the terms are read once, when the adaptation runs.
+# per row (per sample, group of channels and position for a convolution). A hook on the call's
+# output receives ``g`` in the backward and adds the key's term, on the device; the terms are
+# read once, when the adaptation runs. A key an allocation keeps at full precision is measured
+# the same way through a throwaway 8-bit quantization of its tensor.
 #
 # A key is *measured* when every save at it during the step was read that way or only through
 # exact decisions (``DecisionSpec.only_decisions``: ReLU's output on the zero-exact grid, which
@@ -60,11 +62,17 @@ class SensitivityMeter:
 
     Example::
 
-        >>> meter = SensitivityMeter()
-        >>> meter.start()
-        >>> ...  # forward and backward under the controller's hooks, with hooks.meter = meter
-        >>> meter.stop()
-        >>> meter.sensitivities()  # {key: c} of the measured keys
+        >>> import torch
+        >>> from gact import Controller, GactConfig
+        >>> layer, meter = torch.nn.Linear(64, 8), SensitivityMeter()
+        >>> with Controller(layer, GactConfig.from_level("L1", min_numel=0)) as controller:
+        ...     controller.hooks.meter = meter  # what the controller does on measuring steps
+        ...     meter.start()
+        ...     layer(torch.randn(32, 64)).square().sum().backward()
+        ...     meter.stop()
+        >>> c = meter.sensitivities()  # {key: sensitivity} of the measured keys
+        >>> list(c), c["<root>#0:float32:2d"] > 0
+        (['<root>#0:float32:2d'], True)
     """
 
     def __init__(self) -> None:
