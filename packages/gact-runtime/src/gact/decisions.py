@@ -398,26 +398,19 @@ def _linear_use(x: Any) -> DecisionSpec | None:
     return DecisionSpec(linear=LinearUse(x.numel(), None))
 
 
-def _linear(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
-    if not measuring() or not _parameter(_arg(args, kwargs, 1, "weight", None)):
-        return None
-    return _linear_use(_arg(args, kwargs, 0, "input", None))
+def _product(x_at: tuple[int, str], weight_at: tuple[int, str], *, matrix: bool) -> _Rule:
+    """Rule of a call computing ``x W`` (rows of ``x``) with a parameter ``W`` at ``weight_at``
+    (position, keyword), a matrix if ``matrix``: ``F.linear``, ``addmm``, ``matmul``, ``mm``."""
 
+    def rule(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
+        if not measuring():
+            return None
+        weight = _arg(args, kwargs, *weight_at, None)
+        if not _parameter(weight) or (matrix and weight.dim() != 2):
+            return None
+        return _linear_use(_arg(args, kwargs, *x_at, None))
 
-def _addmm(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
-    if not measuring():
-        return None
-    mat2 = _arg(args, kwargs, 2, "mat2", None)
-    ok = _parameter(mat2) and mat2.dim() == 2
-    return _linear_use(_arg(args, kwargs, 1, "mat1", None)) if ok else None
-
-
-def _matmul(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
-    if not measuring():
-        return None
-    other = _arg(args, kwargs, 1, "other", kwargs.get("mat2"))
-    ok = _parameter(other) and other.dim() == 2
-    return _linear_use(_arg(args, kwargs, 0, "input", None)) if ok else None
+    return rule
 
 
 def _conv(dims: int) -> _Rule:
@@ -502,9 +495,10 @@ def _rules() -> dict[Callable[..., Any], _Rule]:
     add(_batch_norm, F.batch_norm, torch.batch_norm)
     add(_row_norm, F.layer_norm, torch.layer_norm)
     add(_row_norm, getattr(F, "rms_norm", None), getattr(torch, "rms_norm", None))
-    add(_linear, F.linear)
-    add(_addmm, torch.addmm, T.addmm)
-    add(_matmul, torch.matmul, torch.mm, T.matmul, T.mm, T.__matmul__)
+    add(_product((0, "input"), (1, "weight"), matrix=False), F.linear)
+    add(_product((1, "mat1"), (2, "mat2"), matrix=True), torch.addmm, T.addmm)
+    add(_product((0, "input"), (1, "other"), matrix=True), torch.matmul, T.matmul, T.__matmul__)
+    add(_product((0, "input"), (1, "mat2"), matrix=True), torch.mm, T.mm)
     add(_conv(1), F.conv1d)
     add(_conv(2), F.conv2d)
     add(_conv(3), F.conv3d)
