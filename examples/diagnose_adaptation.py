@@ -232,7 +232,7 @@ def runtime_estimate(
 
     found = controller.adapter.estimate(items, counted, controller.run_closure, session.meter)
     assert found is not None  # a closure is given
-    value, stderr, probed = found
+    value, stderr, probed, _ = found  # nothing is held: a closure is given
     return {
         "runtime": value.tolist(),
         "runtime_stderr": stderr.tolist(),

@@ -195,6 +195,31 @@ def test_only_unmeasured_tensors_are_probed() -> None:
     assert len(measured) == items - adapter.last_probed
 
 
+def test_few_probed_tensors_are_probed_each_alone() -> None:
+    """One tensor needs a probe (a LayerNorm's input): the reference method estimates it with
+    one run beside the base run, fewer than the pairwise method's minimum of 2, and the
+    predicted cost of an adaptation counts those runs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.LayerNorm(128), nn.Linear(128, 10))
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    calls = [0]
+
+    def counted() -> torch.Tensor:
+        calls[0] += 1
+        return make_closure(model, x, y)()
+
+    cfg = GactConfig.from_level("L2", min_numel=0, adapt_first_gap=1, adapt_budget=1e6)
+    with Controller(model, cfg) as controller:
+        controller.iterate(counted)
+        calls[0] = 0
+        controller.iterate(counted)
+    adapter = controller.adapter
+    assert adapter.count == 1 and adapter.last_probed == 1
+    assert calls[0] == 1 + 2  # the step, the base run and one probe
+    assert adapter.predicted_cost(1.0, probed=1) == 2.0
+    assert adapter.predicted_cost(1.0, probed=4) == 5.0  # pairwise: min_pair_probes(4) + 1
+
+
 def test_measure_linear_false_probes_every_tensor() -> None:
     model, x, y = make_case("mlp")
     cfg = GactConfig.from_level(
@@ -206,24 +231,32 @@ def test_measure_linear_false_probes_every_tensor() -> None:
     assert controller.adapter.last_probed == len(controller.plan.bits) > 0
 
 
-def test_step_loops_adapt_when_every_tensor_is_measured() -> None:
-    """A loop that calls step() (no closure) adapts a measured model and warns for a model
-    whose tensors need probes."""
-    for case, adapts in (("mlp", True), ("transformer", False)):
+def test_step_loops_adapt_the_measured_tensors() -> None:
+    """A loop that calls step() (no closure) adapts a measured model silently; a model with
+    tensors that need probes adapts its measured tensors, keeps the others at their widths and
+    warns that probing them needs iterate(closure)."""
+    for case, held in (("mlp", False), ("transformer", True)):
         model, x, y = make_case(case)
         cfg = GactConfig.from_level("L2", min_numel=0, adapt_first_gap=2, adapt_budget=1e6)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             with Controller(model, cfg) as controller:
-                for _ in range(4):
+                for step in range(4):
                     opt.zero_grad()
                     F.cross_entropy(model(x), y).backward()
                     opt.step()
+                    if step == 1:
+                        prior = dict(controller.plan.bits)
                     controller.step()
-        warned = [w for w in caught if issubclass(w.category, GactWarning)]
-        assert (controller.adapter.count >= 1) is adapts, case
-        assert bool(warned) is not adapts, (case, [str(w.message) for w in warned])
+        warned = [str(w.message) for w in caught if issubclass(w.category, GactWarning)]
+        assert controller.adapter.count >= 1, case
+        assert bool(warned) is held, (case, warned)
+        plan = controller.plan
+        unmeasured = set(plan.bits) - plan.measured
+        assert bool(unmeasured) is held
+        assert all(plan.bits[k] == prior[k] for k in unmeasured)
+        assert all(k not in plan.sensitivity for k in unmeasured)
         assert decisions_idle()
 
 
@@ -254,18 +287,57 @@ def test_padding_same_is_measured_as_its_explicit_padding() -> None:
     assert 0 < values[2] < values[1]
 
 
-def test_an_adaptation_waiting_for_the_budget_is_measured_once() -> None:
+def test_an_adaptation_waiting_for_the_budget_adapts_what_it_measured(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The first measured step tells that probes are needed and that the budget cannot pay
-    for them: the steps after it, still due, are not measured again (NOTE [Measuring steps])."""
-    model, x, y = make_case("transformer")
+    for them: that step re-allocates the measured tensors' bits by their measurements (one
+    made a million times larger here, so that they decide visibly), keeps
+    the others at the prior's widths and runs no probe; the steps after it, still waiting for
+    the probes, are not measured again (NOTE [Measuring steps])."""
+    model, counted, calls = _counted("transformer")
     cfg = GactConfig.from_level("L2", min_numel=0, adapt_first_gap=1, adapt_budget=1e-9)
     armed: list[bool] = []
+    measure = SensitivityMeter.sensitivities
+
+    def sharper(meter: SensitivityMeter) -> dict[str, float]:  # one tensor far more sensitive
+        return {k: v * (1e6 if k.startswith("mlp.2") else 1) for k, v in measure(meter).items()}
+
+    monkeypatch.setattr(SensitivityMeter, "sensitivities", sharper)
     with Controller(model, cfg) as controller:
         model.register_forward_hook(lambda *_: armed.append(controller.hooks.meter is not None))
-        for _ in range(6):
-            controller.iterate(make_closure(model, x, y))
+        controller.iterate(counted)
+        prior = dict(controller.plan.bits)
+        for _ in range(5):
+            controller.iterate(counted)
     assert armed == [False, True, False, False, False, False]
-    assert controller.adapter.count == 0  # never affordable
+    assert calls[0] == 6  # no probe
+    adapter, plan = controller.adapter, controller.plan
+    assert adapter.count == 1 and adapter.last_probed == 0
+    assert adapter.last_step is None  # the probing adaptation is still due
+    assert plan.measured and plan.measured < set(plan.bits)
+    held = set(plan.bits) - plan.measured
+    assert all(plan.bits[k] == prior[k] for k in held)
+    (sharp,) = [k for k in plan.measured if k.startswith("mlp.2")]
+    assert plan.bits[sharp] > prior[sharp]  # the measurements decide the measured widths
+    assert set(plan.sensitivity) == plan.measured
+    assert controller.stats()["average_bits"] <= cfg.avg_bits + 1e-9
+
+
+def test_two_valued_tensors_need_no_probe() -> None:
+    """A dropout's mask, saved as floats, is stored exactly at its pinned 1 bit: an MLP with
+    dropout has nothing to probe, so its first measured step adapts fully (the schedule moves
+    on) even when no probe would be affordable."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Dropout(0.5), nn.Linear(128, 10))
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    cfg = GactConfig.from_level("L2", min_numel=0, adapt_first_gap=1, adapt_budget=1e-9)
+    with Controller(model, cfg) as controller:
+        for _ in range(3):
+            controller.iterate(make_closure(model, x, y))
+    assert controller.plan.two_valued and any(controller.plan.two_valued.values())
+    assert controller.adapter.count == 1 and controller.adapter.last_step == 1
+    assert controller.plan.measured == set(controller.plan.bits)
 
 
 def test_tensors_kept_at_full_precision_are_still_measured() -> None:

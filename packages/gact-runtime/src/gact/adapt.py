@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -67,7 +68,7 @@ class Items:
                 + r.mask_bits
                 + (metadata_bits / 8 if r.table else 0.0),
                 max(2 if r.zero_exact else 1, r.min_bits),
-                1 if two_valued.get(r.key) and not r.zero_exact else 0,
+                1 if _two_valued(r, two_valued) else 0,
             )
             for r in sites.values()
             if _quantizable(r)
@@ -115,6 +116,21 @@ class Items:
 # decoder, inflated AdamW's second moments for hundreds of steps (BENCHMARKS.md, "Stability").
 
 
+# NOTE [Held tensors]
+# Measuring costs a fraction of a step; probing costs whole forward and backward passes, which
+# the time budget (NOTE [Adaptation schedule] in gact_policy) may not afford for many steps:
+# 4 probe runs take 100 steps of a 5% budget, the length of a GNN's whole training. So a step
+# that measured (NOTE [Measuring steps] in controller.py) and cannot afford the probes, or
+# that has no closure to probe with (``controller.step()`` loops), still adapts: the tensors
+# it measured share the bits left by the others, which are *held* at their widths (pinned in
+# the allocation, their sensitivities unchanged). That allocation is the best one for the
+# measured tensors, whose sensitivities are exact, given the held ones' widths. The probing
+# adaptation stays due (``last_step`` does not move) and runs once the budget affords it.
+# Measured tensors alone are the GNN examples' whole story once their messages are stored as
+# shapes (NOTE [Shape-only saves] in decisions.py): GCN and GraphSAGE hold only their edge or
+# degree normalisation, 0.1-7% of their elements.
+
+
 class Adapter:
     """Estimates per-key sensitivities and allocates bits for the adaptive levels.
 
@@ -135,6 +151,7 @@ class Adapter:
         self.has_prior = False
         self._items = 0  # items of the last allocation (predicts the probe count)
         self.last_probed = 0  # items the last adaptation probed
+        self.last_held = 0  # items the last adaptation held at their widths
         self._warned_budget = False
 
     def adapt(
@@ -165,35 +182,46 @@ class Adapter:
         found = self.estimate(items, closure, run_closure, meter)
         if found is None:
             return False
-        value, stderr, probed = found
+        value, stderr, probed, held = found
         # keys seen for the first time start from their own estimate
         previous = [plan.sensitivity.get(k, float(e)) for k, e in zip(items.keys, value)]
         sensitivity = gact_policy.smooth(previous, value, cfg.sensitivity_momentum)
-        bits = self._allocate(items, sensitivity)
+        pins = items.pinned.copy()  # held items keep their widths (NOTE [Held tensors])
+        pins[held] = [max(plan.bits.get(items.keys[i], plan.default_bits), 1) for i in held]
+        bits = self._allocate(dataclasses.replace(items, pinned=pins), sensitivity)
         plan.bits = {k: int(b) for k, b in zip(items.keys, bits)}
-        plan.sensitivity = {k: float(c) for k, c in zip(items.keys, sensitivity)}
-        plan.stderr = {k: float(e) for k, e in zip(items.keys, stderr)}
-        plan.measured = set(items.keys) - {items.keys[i] for i in probed.tolist()}
+        moved = np.setdiff1d(np.arange(len(items.keys)), held)
+        kept = [items.keys[i] for i in held.tolist() if items.keys[i] in plan.sensitivity]
+        plan.sensitivity = {k: plan.sensitivity[k] for k in kept} | {
+            items.keys[i]: float(sensitivity[i]) for i in moved.tolist()
+        }
+        plan.stderr = {k: plan.stderr.get(k, 0.0) for k in kept} | {
+            items.keys[i]: float(stderr[i]) for i in moved.tolist()
+        }
+        plan.measured = {items.keys[i] for i in np.setdiff1d(moved, probed).tolist()}
         self.count += 1
         self.has_prior = True  # an allocation exists: no prior needed any more
-        self.last_step = plan.step
-        self.last_probed = int(probed.size)
+        self.last_held = int(held.size)
         spent = time.perf_counter() - start
         self.seconds += spent  # the meter's own time is counted by the controller
-        self.last_seconds = spent + (meter.seconds if meter is not None else 0.0)
+        if not held.size:  # a held tensor's probes stay due (NOTE [Held tensors])
+            self.last_step = plan.step
+            self.last_probed = int(probed.size)
+            self.last_seconds = spent + (meter.seconds if meter is not None else 0.0)
         widths, counts = np.unique(np.where(bits > 8, 0, bits), return_counts=True)
         per_width = (
             f"{f'{w} bits' if w else 'full precision'}: {n}" for w, n in zip(widths, counts)
         )
         logger.info(
-            "GACT adaptation %d at step %d: %d tensors (%d measured, %d probed) in %.3fs; "
-            "tensors per width: %s",
+            "GACT adaptation %d at step %d: %d tensors (%d measured, %d probed, %d held) in "
+            "%.3fs; tensors per width: %s",
             self.count,
             plan.step,
             len(items.keys),
-            len(items.keys) - probed.size,
+            len(items.keys) - probed.size - held.size,
             probed.size,
-            self.last_seconds,
+            held.size,
+            spent + (meter.seconds if meter is not None else 0.0),
             ", ".join(per_width),
         )
         return True
@@ -214,34 +242,38 @@ class Adapter:
         closure: Callable[[], Any] | None,
         run_closure: Callable[[Callable[[], Any]], Any],
         meter: SensitivityMeter | None,
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
         """Sensitivities of ``items`` and their standard errors: measured where ``meter``
         measured the key (0 for two-valued items, stored exactly), probed through ``closure``
-        for the rest (floored: NOTE [Floored estimates] in gact_policy); and the indices of the
-        probed items. ``None`` when some item needs probes and ``closure`` is ``None``."""
+        for the rest (floored: NOTE [Floored estimates] in gact_policy); the indices of the
+        probed items; and those of the items held at their widths, unestimated, because they
+        need probes and ``closure`` is ``None`` (NOTE [Held tensors]). ``None`` when no item
+        could be estimated."""
         measured = rank_zeros(meter.sensitivities() if meter is not None else {})
         if measured:  # two-valued items are stored exactly at their pinned 1 bit
             measured.update({k: 0.0 for k, p in zip(items.keys, items.pinned) if p})
-        probed = np.array([i for i, k in enumerate(items.keys) if k not in measured], np.int64)
-        if probed.size and closure is None:
-            return None
+        rest = np.array([i for i, k in enumerate(items.keys) if k not in measured], np.int64)
+        none = np.zeros(0, np.int64)
         value = np.array([measured.get(k, 0.0) for k in items.keys])
         stderr = np.zeros_like(value)
-        if probed.size:
-            assert closure is not None
-            remeasured, estimate = self._probe(items, probed, closure, run_closure, measured)
-            value[probed] = estimate.floored()
-            stderr[probed] = estimate.stderr
-            for i, k in enumerate(items.keys):  # in the probes' unit (their batch)
-                value[i] = remeasured.get(k, value[i])
-        return value, stderr, probed
+        if closure is None or not rest.size:
+            return None if not measured else (value, stderr, none, rest)
+        remeasured, estimate = self._probe(items, rest, closure, run_closure, measured)
+        value[rest] = estimate.floored()
+        stderr[rest] = estimate.stderr
+        for i, k in enumerate(items.keys):  # in the probes' unit (their batch)
+            value[i] = remeasured.get(k, value[i])
+        return value, stderr, rest, none
 
     def unmeasured(self, sites: dict[str, SiteRecord], meter: SensitivityMeter) -> int:
         """How many of the step's items ``meter`` could not measure (they need probes)."""
+        two_valued = self._plan.two_valued
         return sum(
             1
             for key, rec in sites.items()
-            if _quantizable(rec) and (key not in meter.seen or key in meter.probed)
+            if _quantizable(rec)
+            and not _two_valued(rec, two_valued)
+            and (key not in meter.seen or key in meter.probed)
         )
 
     def predicted_cost(
@@ -253,7 +285,15 @@ class Adapter:
         probed = self._items if probed is None else probed
         if probed == 0:
             return 0.0
-        return (gact_policy.min_pair_probes(probed) + 1) * probe_fraction * step_seconds
+        return (self._probes(probed) + 1) * probe_fraction * step_seconds
+
+    def _probes(self, items: int) -> int:
+        """Probe runs after the base run for ``items`` probed items: the pairwise method's
+        ``K``, or ``items`` for the reference method, which the pairwise one falls back to
+        when that is no more (up to 3 items by default): it estimates each item alone."""
+        cfg = self._plan.config
+        pairwise = max(cfg.num_probes or 0, gact_policy.min_pair_probes(items))
+        return items if cfg.sensitivity_method == "probe" else min(items, pairwise)
 
     def _probe(
         self,
@@ -342,10 +382,10 @@ class Adapter:
     ) -> gact_policy.SensitivityEstimate:
         cfg = self._plan.config
         seed = mix_seed(cfg.seed, self._plan.step, 0x5E5) >> 1
-        if cfg.sensitivity_method == "probe":
+        probes = self._probes(bits.size)
+        if probes == bits.size:  # the reference method (see _probes)
             value = gact_policy.probe_sensitivity(grad, bits, seed=seed)
             return gact_policy.SensitivityEstimate(value, np.zeros_like(value))
-        probes = max(cfg.num_probes or 0, gact_policy.min_pair_probes(bits.size))
         return gact_policy.pairwise_sensitivity(
             grad, bits, num_probes=probes, seed=seed, stderr=True
         )
@@ -358,6 +398,12 @@ def rank_zeros(value: Any) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _two_valued(rec: SiteRecord, two_valued: dict[str, bool]) -> bool:
+    """Whether an item is pinned at 1 bit (NOTE [Two-valued tensors]); a ReLU output is not:
+    the zero-exact grid has 2 bits at least."""
+    return bool(two_valued.get(rec.key)) and not rec.zero_exact
 
 
 def _quantizable(rec: SiteRecord) -> bool:

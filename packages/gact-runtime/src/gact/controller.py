@@ -344,11 +344,11 @@ class Controller:
                 self.ledger.discard()
                 raise
         try:
-            if self._due_on_every_rank():
+            adapting = self._adapting()
+            if adapting is not None:
                 meter = self._disarm()
-                self.adapter.adapt(
-                    probe_closure or closure, self.ledger.current, self.run_closure, meter
-                )
+                probes = probe_closure or closure if adapting == "probes" else None
+                self.adapter.adapt(probes, self.ledger.current, self.run_closure, meter)
         finally:  # a failed adaptation still ends the step the real closure completed
             self._end_step("iterate")
         return result
@@ -392,10 +392,18 @@ class Controller:
         last = 0 if adapter.last_step is None else adapter.last_step
         return cfg.schedule.due(step, last=last)
 
-    def _due_on_every_rank(self) -> bool:
-        """``adaptation_due``, rank 0's under torch.distributed (the budget check reads each
-        rank's own clock; ranks that disagreed would wait for each other's probes forever)."""
-        return self._scheduled() and rank_zeros(self.adaptation_due)
+    def _adapting(self) -> str | None:
+        """How the open step adapts, rank 0's choice under torch.distributed (the budget check
+        reads each rank's own clock; ranks that disagreed would wait for each other's probes
+        forever): ``"probes"`` when due and affordable, ``"measured"`` when it measured but
+        cannot afford the probes (NOTE [Held tensors] in adapt.py), else ``None``."""
+        if not self._scheduled():
+            return None
+        if self.adaptation_due:
+            adapting: str | None = "probes"
+        else:
+            adapting = "measured" if self.hooks.meter is not None else None
+        return rank_zeros(adapting)
 
     # NOTE [Measuring steps]
     # A step is measured (NOTE [Measured sensitivities] in measured.py) when the schedule makes
@@ -471,19 +479,21 @@ class Controller:
 
     def _adapt_without_probes(self) -> None:
         """At a step boundary that no closure reaches (``step()``, or the next forward): adapt
-        if due and every item was measured, else say once that probes would be needed."""
-        if not (self.ledger.current and self._due_on_every_rank()):
+        the tensors the step measured, if due, and say once that the others, which need
+        probes, keep their widths (NOTE [Held tensors] in adapt.py)."""
+        if not (self.ledger.current and self._adapting()):
             return
         meter = self._disarm()
-        if not self.adapter.adapt(None, self.ledger.current, self.run_closure, meter):
+        adapted = self.adapter.adapt(None, self.ledger.current, self.run_closure, meter)
+        if not adapted or self.adapter.last_held:
             self._warn_once(
                 "no adaptation",
                 f"level {self.config.level} probes sensitivities only in iterate(closure), on "
                 "the steps its schedule makes due, and this model saves tensors whose "
                 "sensitivity cannot be measured without probes (normalisations, attention, "
-                "pointwise functions); this loop calls step() or never marks steps, so the "
-                "widths stay those of the prior allocation. Call controller.iterate(closure) "
-                "on those steps (see Controller.adaptation_due)",
+                "pointwise functions); this loop calls step() or never marks steps, so those "
+                "tensors keep the widths of the prior allocation (the measured ones adapt). "
+                "Call controller.iterate(closure) on those steps (see Controller.adaptation_due)",
             )
 
     def _end_step(self, boundary: str) -> None:

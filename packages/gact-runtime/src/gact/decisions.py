@@ -205,6 +205,8 @@ class DecisionSpec:
         only_decisions: the backward reads the call's saves only through the outcomes of
             ``predicates`` (or of ``y > 0`` on the zero-exact grid), which stay exact, so their
             rounding never reaches the gradient (NOTE [Measured sensitivities] in measured.py).
+        shape_ids: ``id()`` of the call's arguments whose saves the backward reads only for
+            their shape: stored as the shape alone (NOTE [Shape-only saves]).
     """
 
     predicates: tuple[tuple[bool, float], ...] = ()
@@ -221,6 +223,7 @@ class DecisionSpec:
     row_length: int = 0
     linear: LinearUse | None = None
     only_decisions: bool = False
+    shape_ids: frozenset[int] = frozenset()
 
     @property
     def decides(self) -> bool:
@@ -445,6 +448,25 @@ def _conv(dims: int) -> _Rule:
     return rule
 
 
+# NOTE [Shape-only saves]
+# ``index_add`` and ``index_copy`` (``out.index_add_(dim, index, source)``, the aggregation of
+# message passing in GNNs) save ``source``, whose gradient is ``grad.index_select(dim, index)``
+# expanded to ``source``'s shape: the backward reads ``source.dim()`` and its sizes, never a
+# value. That save, the messages (on the GNN examples the largest activation, 0.5-3.5 MB a
+# layer on Cora), is stored as its shape alone (``saved.SavedShape``, no bytes counted), so it
+# is no item of the allocation: nothing to probe, whose rounding would have been found harmless
+# only after probes. Its unpack is one NaN expanded to the shape, so a backward that ever read
+# the values (another PyTorch's formula) would give NaNs, never plausible wrong numbers;
+# ``tests/test_shape_only.py`` checks the gradients against fp32's bit for bit on this PyTorch.
+# Another op saving the same tensor stores it as usual: a shape-only save never enters the
+# table that shares one tensor's saves (NOTE [What autograd holds] in saved.py).
+def _shape_only(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
+    source = _arg(args, kwargs, 3, "source", None)
+    if not isinstance(source, torch.Tensor) or not source.is_floating_point():
+        return None
+    return DecisionSpec(shape_ids=frozenset({id(source)}))
+
+
 _Rule = Callable[[Sequence[Any], dict[str, Any]], "DecisionSpec | None"]
 
 
@@ -502,6 +524,8 @@ def _rules() -> dict[Callable[..., Any], _Rule]:
     add(_conv(1), F.conv1d)
     add(_conv(2), F.conv2d)
     add(_conv(3), F.conv3d)
+    add(_shape_only, torch.index_add, T.index_add, T.index_add_)
+    add(_shape_only, torch.index_copy, T.index_copy, T.index_copy_)
     return table
 
 

@@ -27,9 +27,13 @@ class Kind(str, enum.Enum):
     QUANTIZED = "quantized"  # per-group stochastic rounding (gact_kernels.quantize)
     MASK = "mask"  # bool mask packed losslessly at 1 bit per element
     PACKED = "packed"  # integer tensor packed losslessly in the bits its range needs
+    SHAPE = "shape"  # read by the backward only for its shape, stored as the shape alone
     KEPT = "kept"  # stored as it is (small, integer, float64, level L0, or full precision)
     OUTSIDE = "outside"  # saved outside the model's forward (e.g. the loss): kept as it is
     PARAMETER = "parameter"  # a parameter or buffer: not an activation, never compressed
+
+
+_COMPRESSED = (Kind.QUANTIZED, Kind.MASK, Kind.PACKED, Kind.SHAPE)
 
 
 def occupied_bytes(tensor: torch.Tensor) -> int:
@@ -161,7 +165,7 @@ class Ledger:
         activations = [r for r in records.values() if r.kind is not Kind.PARAMETER]
         original = sum(r.original_bytes for r in activations)
         stored = sum(r.stored_bytes for r in activations)
-        compressed = [r for r in activations if r.kind in (Kind.QUANTIZED, Kind.MASK, Kind.PACKED)]
+        compressed = [r for r in activations if r.kind in _COMPRESSED]
         quantized_numel = sum(r.numel for r in records.values() if r.kind is Kind.QUANTIZED)
         quantized_bits = sum(
             r.numel * r.bits for r in records.values() if r.kind is Kind.QUANTIZED and r.bits
@@ -225,7 +229,8 @@ class Ledger:
             "its positives positive, no mask needed; +m: exact decision masks, 1 bit each; "
             "e: exact, a two-valued tensor such as binary features or a dropout's mask kept "
             "as floats, which 1 bit stores without error, so its sensitivity is 0 and its "
-            "width is pinned); sensitivity: "
+            "width is pinned); kind shape: the backward reads only the tensor's shape, which is "
+            "all that is stored; sensitivity: "
             "the gradient variance a tensor adds per unit of S(b) = 1/(2^b-1)^2, smoothed over "
             "adaptations, ± one standard error of the last probed estimate (m: measured in the "
             "backward, no probe); bytes: as autograd would "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 import collections
 import contextlib
+import math
 import os
 import sys
 import threading
@@ -31,7 +32,7 @@ from .swap import Swapper, Ticket
 if TYPE_CHECKING:
     from .measured import SensitivityMeter
 
-__all__ = ["SaveHooks", "Saved", "SavedCompressed", "SavedKept", "installed_hooks"]
+__all__ = ["SaveHooks", "Saved", "SavedCompressed", "SavedKept", "SavedShape", "installed_hooks"]
 
 _PARAM_KEY = "<parameters>"  # ledger key of every parameter/buffer save
 
@@ -129,6 +130,26 @@ class SavedKept(Saved):
     def unpack(self) -> torch.Tensor:
         self._check(self.tensor)
         return self.tensor
+
+
+class SavedShape(Saved):
+    """A saved tensor whose backward reads only its shape: holds nothing else (NOTE
+    [Shape-only saves] in decisions.py). Unpacks to one NaN expanded to that shape."""
+
+    __slots__ = ("shape", "witness")
+
+    def __init__(self, tensor: torch.Tensor, key: str) -> None:
+        super().__init__(tensor, key)
+        self.witness = _version_witness(tensor)
+        self.shape = tensor.shape
+
+    def _describe(self) -> str:
+        return _describe(self.witness.dtype, self.witness.device, self.shape)
+
+    def unpack(self) -> torch.Tensor:
+        self._check(self.witness)
+        nan = torch.full((), math.nan, dtype=self.witness.dtype, device=self.witness.device)
+        return nan.expand(self.shape)
 
 
 class SavedCompressed(Saved):
@@ -521,6 +542,13 @@ class SaveHooks:
         # depend on how earlier tensors were treated (see NOTE [Save-site keys]).
         key = self.tracker.next_key(tensor)
         spec = decisions.current_spec() if inside else None
+        if (
+            spec is not None
+            and id(tensor) in spec.shape_ids
+            and self.plan.config.spec.compresses  # L0 stores what PyTorch would
+        ):  # NOTE [Shape-only saves]
+            self.ledger.record(key, tensor, Kind.SHAPE, None, 0)
+            return SavedShape(tensor, key)
         hit = self.live.get(tensor, self.tracker.generation)
         if isinstance(hit, SavedCompressed) and hit.table is not None:
             hit = None  # only the function's own backward may read a table (NOTE in pointwise.py)

@@ -1,0 +1,143 @@
+"""Saves whose values the backward never reads (NOTE [Shape-only saves] in decisions.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from gact import Controller, GactConfig
+from gact.ledger import Kind
+from torch import nn
+
+Scatter = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+# every spelling of the two ops whose backward reads ``source`` only for its shape
+SPELLINGS: dict[str, Scatter] = {
+    "Tensor.index_add_": lambda out, idx, src: out.index_add_(0, idx, src),
+    "Tensor.index_add": lambda out, idx, src: out.index_add(0, idx, src, alpha=2.0),
+    "torch.index_add": lambda out, idx, src: torch.index_add(out, 0, idx, src),
+    "aten.index_add": lambda out, idx, src: torch.ops.aten.index_add(out, 0, idx, src),
+    "Tensor.index_copy_": lambda out, idx, src: out.index_copy_(0, idx, src),
+    "torch.index_copy": lambda out, idx, src: torch.index_copy(out, 0, idx, src),
+}
+
+
+class Aggregate(nn.Module):
+    """Messages ``lin(x)[src]`` summed (or copied) into rows of a zero tensor: the pattern of
+    message passing in GNNs, whose messages are often the largest activation."""
+
+    def __init__(self, scatter: Scatter, reuse: str | None = None) -> None:
+        super().__init__()
+        self.lin = nn.Linear(24, 32)
+        self.scatter, self.reuse = scatter, reuse
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        messages = self.lin(x)
+        out = x.new_zeros(idx.numel(), 32)
+        if self.reuse == "before":  # the messages saved by another op first, then by the scatter
+            extra = (messages * messages).sum()
+            return self.scatter(out, idx, messages).sum() + extra
+        if self.reuse == "after":
+            res = self.scatter(out, idx, messages).sum()
+            return res + (messages * messages).sum()
+        return self.scatter(out, idx, messages).sum()
+
+
+def _run(model: nn.Module, level: str | None, x: torch.Tensor, idx: torch.Tensor):
+    model.zero_grad()
+    x = x.clone().requires_grad_()
+    if level is None:
+        model(x, idx).backward()
+        return x.grad, model.lin.bias.grad.clone(), None
+    with Controller(model, GactConfig.from_level(level, min_numel=0)) as controller:
+        model(x, idx).backward()
+        controller.step()
+    return x.grad, model.lin.bias.grad.clone(), controller
+
+
+@pytest.mark.parametrize("spelling", sorted(SPELLINGS))
+def test_index_add_and_copy_store_their_source_as_its_shape(spelling: str) -> None:
+    """The source is stored as nothing but its shape, and the gradients that no rounding
+    reaches are fp32's bit for bit: the source's gradient is ``grad.index_select(dim, index)``,
+    from which the linear layer's input gradient (through its weight, kept) and its bias
+    gradient follow."""
+    torch.manual_seed(0)
+    model = Aggregate(SPELLINGS[spelling])
+    x, idx = torch.randn(64, 24), torch.randperm(64)  # a permutation: index_copy is unique
+    ref_x, ref_b, _ = _run(model, None, x, idx)
+    got_x, got_b, controller = _run(model, "L1", x, idx)
+    assert torch.equal(got_x, ref_x) and torch.equal(got_b, ref_b)
+    records = [r for r in controller.ledger.last.values() if r.shape == (64, 32)]
+    assert [(r.kind, r.stored_bytes) for r in records] == [(Kind.SHAPE, 0)], records
+    assert "shape" in controller.report()
+
+
+@pytest.mark.parametrize("reuse", ["before", "after"])
+def test_a_source_that_another_op_reads_is_stored_for_it(reuse: str) -> None:
+    """``messages * messages`` reads the messages' values: that save is compressed as usual
+    whether it comes before or after the scatter's, and its gradient is unbiased (the two
+    saves are never merged into one that stores no values)."""
+    torch.manual_seed(0)
+    model = Aggregate(SPELLINGS["Tensor.index_add_"], reuse=reuse)
+    x, idx = torch.randn(64, 24), torch.randint(0, 64, (64,))
+    ref_x, _, _ = _run(model, None, x, idx)
+    grads = []
+    for seed in range(40):
+        model.zero_grad()
+        xs = x.clone().requires_grad_()
+        with Controller(model, GactConfig.from_level("L1", min_numel=0, seed=seed)) as c:
+            model(xs, idx).backward()
+            c.step()
+        grads.append(xs.grad)
+    grads = torch.stack(grads)
+    assert torch.isfinite(grads).all()
+    kinds = sorted(r.kind.value for r in c.ledger.last.values() if r.shape == (64, 32))
+    assert kinds == ["quantized", "shape"]
+    # mean over 40 seeds within 5 standard errors of fp32's, everywhere the error is not 0
+    # (false alarm per element < 6e-7; 1,536 elements: < 1e-3)
+    mean, se = grads.mean(0), grads.std(0) / 40**0.5
+    assert ((mean - ref_x).abs() <= 5 * se + 1e-6).all()
+    assert (grads.std(0) > 0).any()  # the messages' save is rounded, not kept
+
+
+def test_an_in_place_change_of_a_shape_only_source_is_still_caught() -> None:
+    """PyTorch refuses a backward after a saved tensor changed in place; storing only the
+    shape must not lose that check."""
+    model = Aggregate(SPELLINGS["Tensor.index_add_"])
+    x, idx = torch.randn(8, 24), torch.arange(8)
+
+    def forward(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        messages = model.lin(x)
+        out = x.new_zeros(8, 32).index_add_(0, idx, messages)
+        messages.add_(1)
+        return out.sum()
+
+    model.forward = forward  # type: ignore[method-assign]
+    with Controller(model, GactConfig.from_level("L1", min_numel=0)):
+        loss = model(x, idx)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+
+
+def test_a_shape_only_save_read_for_its_values_is_loud() -> None:
+    """If a backward ever read a shape-only source's values (another PyTorch's formula), it
+    gets NaNs, never plausible wrong numbers."""
+    from gact.saved import SavedShape
+
+    saved = SavedShape(torch.randn(3, 4), "k")
+    values = saved.unpack()
+    assert values.shape == (3, 4) and torch.isnan(values).all()
+    assert values.untyped_storage().nbytes() == 4  # one element, expanded
+
+
+def test_level_l0_stores_the_source_as_pytorch_would() -> None:
+    """L0 measures and stores nothing differently: its ledger is the baseline the other levels
+    are compared with."""
+    torch.manual_seed(0)
+    model = Aggregate(SPELLINGS["Tensor.index_add_"])
+    x, idx = torch.randn(64, 24), torch.randperm(64)
+    _, _, controller = _run(model, "L0", x, idx)
+    records = [r for r in controller.ledger.last.values() if r.shape == (64, 32)]
+    assert [r.kind for r in records] == [Kind.KEPT]
+    assert records[0].stored_bytes == records[0].original_bytes > 0
