@@ -125,7 +125,8 @@ class Items:
 # it measured share the bits left by the others, which are *held* at their widths (pinned in
 # the allocation, their sensitivities unchanged). That allocation is the best one for the
 # measured tensors, whose sensitivities are exact, given the held ones' widths. The probing
-# adaptation stays due (``last_step`` does not move) and runs once the budget affords it.
+# adaptation stays due (``last_step`` does not move) and runs once the budget affords it; a
+# ``step()`` loop, which can never probe, moves on to the schedule's next adaptation.
 # Measured tensors alone are the GNN examples' whole story once their messages are stored as
 # shapes (NOTE [Shape-only saves] in decisions.py): GCN and GraphSAGE hold only their edge or
 # degree normalisation, 0.1-7% of their elements.
@@ -160,16 +161,21 @@ class Adapter:
         sites: dict[str, SiteRecord],
         run_closure: Callable[[Callable[[], Any]], Any],
         meter: SensitivityMeter | None = None,
+        *,
+        probes_later: bool = True,
     ) -> bool:
         """Estimate sensitivities, update their smoothed values and re-allocate bits: measured
         for the keys ``meter`` measured in the step (NOTE [Measured sensitivities] in
         measured.py), probed by running ``closure`` for the others.
 
         Args:
-            closure: forward + backward on the probe batch; ``None``: no probes can run.
+            closure: forward + backward on the probe batch; ``None``: no probes run now, the
+                items that need them are held at their widths (NOTE [Held tensors]).
             sites: the open step's records; every quantizable key among them is an item.
             run_closure: runs a closure and checks that it ran a backward.
             meter: what the step measured, or ``None`` (every item is probed).
+            probes_later: with held items, keep the probing adaptation due (the schedule
+                does not move on); ``False`` for loops that never give a closure to probe with.
 
         Returns:
             Whether it adapted: ``False`` when items need probes and ``closure`` is ``None``.
@@ -191,11 +197,11 @@ class Adapter:
         bits = self._allocate(dataclasses.replace(items, pinned=pins), sensitivity)
         plan.bits = {k: int(b) for k, b in zip(items.keys, bits)}
         moved = np.setdiff1d(np.arange(len(items.keys)), held)
-        kept = [items.keys[i] for i in held.tolist() if items.keys[i] in plan.sensitivity]
-        plan.sensitivity = {k: plan.sensitivity[k] for k in kept} | {
+        known = [items.keys[i] for i in held.tolist() if items.keys[i] in plan.sensitivity]
+        plan.sensitivity = {k: plan.sensitivity[k] for k in known} | {
             items.keys[i]: float(sensitivity[i]) for i in moved.tolist()
         }
-        plan.stderr = {k: plan.stderr.get(k, 0.0) for k in kept} | {
+        plan.stderr = {k: plan.stderr.get(k, 0.0) for k in known} | {
             items.keys[i]: float(stderr[i]) for i in moved.tolist()
         }
         plan.measured = {items.keys[i] for i in np.setdiff1d(moved, probed).tolist()}
@@ -204,7 +210,7 @@ class Adapter:
         self.last_held = int(held.size)
         spent = time.perf_counter() - start
         self.seconds += spent  # the meter's own time is counted by the controller
-        if not held.size:  # a held tensor's probes stay due (NOTE [Held tensors])
+        if not (held.size and probes_later):  # NOTE [Held tensors]: their probes stay due
             self.last_step = plan.step
             self.last_probed = int(probed.size)
             self.last_seconds = spent + (meter.seconds if meter is not None else 0.0)

@@ -484,7 +484,9 @@ class Controller:
         if not (self.ledger.current and self._adapting()):
             return
         meter = self._disarm()
-        adapted = self.adapter.adapt(None, self.ledger.current, self.run_closure, meter)
+        adapted = self.adapter.adapt(
+            None, self.ledger.current, self.run_closure, meter, probes_later=False
+        )
         if not adapted or self.adapter.last_held:
             self._warn_once(
                 "no adaptation",
