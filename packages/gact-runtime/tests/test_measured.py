@@ -263,6 +263,29 @@ def test_step_loops_adapt_the_measured_tensors() -> None:
         assert decisions_idle()
 
 
+def test_step_loops_that_iterate_on_due_steps_keep_the_probes_due() -> None:
+    """A loop that calls iterate(closure) when ``adaptation_due`` says so and step() otherwise
+    (what the warning recommends): a measuring step whose probes are unaffordable adapts its
+    measured tensors in step(), silently, and the probing adaptation stays due for a later
+    iterate()."""
+    model, x, y = make_case("transformer")
+    cfg = GactConfig.from_level("L2", min_numel=0, adapt_first_gap=2, adapt_budget=1e-9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GactWarning)  # the loop does what the warning asks
+        controller = Controller(model, cfg)
+        controller.install_hook()
+        for _ in range(5):
+            if controller.adaptation_due or controller.plan.step == 0:
+                controller.iterate(make_closure(model, x, y))
+            else:
+                make_closure(model, x, y)()
+                controller.step()
+        controller.uninstall_hook()
+    adapter = controller.adapter
+    assert adapter.count == 1 and adapter.last_held > 0
+    assert adapter.last_step is None  # still due: probes come once affordable
+
+
 def decisions_idle() -> bool:
     """No meter is left running after the controller's steps ended."""
     from gact import decisions

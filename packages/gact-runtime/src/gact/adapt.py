@@ -126,7 +126,8 @@ class Items:
 # the allocation, their sensitivities unchanged). That allocation is the best one for the
 # measured tensors, whose sensitivities are exact, given the held ones' widths. The probing
 # adaptation stays due (``last_step`` does not move) and runs once the budget affords it; a
-# ``step()`` loop, which can never probe, moves on to the schedule's next adaptation.
+# ``step()`` loop that never called ``iterate(closure)``, and so cannot probe, moves on to the
+# schedule's next adaptation.
 # Measured tensors alone are the GNN examples' whole story once their messages are stored as
 # shapes (NOTE [Shape-only saves] in decisions.py): GCN and GraphSAGE hold only their edge or
 # degree normalisation, 0.1-7% of their elements.
@@ -175,7 +176,8 @@ class Adapter:
             run_closure: runs a closure and checks that it ran a backward.
             meter: what the step measured, or ``None`` (every item is probed).
             probes_later: with held items, keep the probing adaptation due (the schedule
-                does not move on); ``False`` for loops that never give a closure to probe with.
+                does not move on); ``False`` for loops that have never given a closure to
+                probe with.
 
         Returns:
             Whether it adapted: ``False`` when items need probes and ``closure`` is ``None``.

@@ -124,6 +124,7 @@ class Controller:
             raise TypeError(f"explicit_steps must be a bool, got {explicit_steps!r}")
         self._explicit_steps = explicit_steps  # no automatic steps (NOTE [Steps])
         self._probe_fraction = 1.0  # the last iterate()'s: predicts a first adaptation's cost
+        self._iterated = False  # iterate() ran: probes can come (NOTE [Held tensors] in adapt.py)
         self._last_boundary = "none"
         self._unpacked_at_forward = 0
         self._unpacked_at_boundary = 0
@@ -335,6 +336,7 @@ class Controller:
             raise ValueError(f"probe_fraction must be in (0, 1], got {probe_fraction!r}")
         self._probe_fraction = probe_fraction
         self._explicit_steps = True
+        self._iterated = True
         ran_backward = self.ledger.current and self.hooks.unpacked > self._unpacked_at_boundary
         result = None
         if not ran_backward:
@@ -485,9 +487,9 @@ class Controller:
             return
         meter = self._disarm()
         adapted = self.adapter.adapt(
-            None, self.ledger.current, self.run_closure, meter, probes_later=False
+            None, self.ledger.current, self.run_closure, meter, probes_later=self._iterated
         )
-        if not adapted or self.adapter.last_held:
+        if not adapted or (self.adapter.last_held and not self._iterated):
             self._warn_once(
                 "no adaptation",
                 f"level {self.config.level} probes sensitivities only in iterate(closure), on "

@@ -452,7 +452,7 @@ def _conv(dims: int) -> _Rule:
 # ``index_add`` and ``index_copy`` (``out.index_add_(dim, index, source)``, the aggregation of
 # message passing in GNNs) save ``source``, whose gradient is ``grad.index_select(dim, index)``
 # expanded to ``source``'s shape: the backward reads ``source.dim()`` and its sizes, never a
-# value. That save, the messages (on the GNN examples the largest activation, 0.5-3.5 MB a
+# value. That save, the messages (on the GNN examples the largest activation, 0.4-3.4 MB a
 # layer on Cora), is stored as its shape alone (``saved.SavedShape``, no bytes counted), so it
 # is no item of the allocation: nothing to probe, whose rounding would have been found harmless
 # only after probes. Its unpack is one NaN expanded to the shape, so a backward that ever read

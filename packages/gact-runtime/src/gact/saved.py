@@ -39,7 +39,8 @@ _PARAM_KEY = "<parameters>"  # ledger key of every parameter/buffer save
 # NOTE [What autograd holds]
 # ``pack`` returns a ``Saved``: ``SavedKept`` holds the tensor itself (parameters, buffers, small,
 # integer or float64 tensors, level L0, keys kept at full precision, saves outside the model's
-# forward); ``SavedCompressed`` owns the compressed payload. Autograd keeps that object alive
+# forward); ``SavedCompressed`` owns the compressed payload; ``SavedShape`` holds a shape alone
+# (NOTE [Shape-only saves] in decisions.py). Autograd keeps that object alive
 # exactly as long as it would have kept the tensor, so there is no side table, no reference count
 # and nothing to leak when a backward never runs: the graph's death frees the payload. ``unpack``
 # never consumes the payload, so a second backward (``retain_graph=True``) works. A tensor saved
