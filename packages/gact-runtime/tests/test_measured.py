@@ -147,6 +147,13 @@ def test_linear_uses_are_published_only_while_a_meter_runs() -> None:
 def _counted(case: str) -> tuple[nn.Module, Callable[[], torch.Tensor], list[int]]:
     """``case``'s model, its closure and the number of times the closure ran (a list of one)."""
     model, x, y = make_case(case)
+    return (model, *_counting(model, x, y))
+
+
+def _counting(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor
+) -> tuple[Callable[[], torch.Tensor], list[int]]:
+    """A closure training ``model`` on ``(x, y)`` and the number of times it ran."""
     calls = [0]
     closure = make_closure(model, x, y)
 
@@ -154,7 +161,20 @@ def _counted(case: str) -> tuple[nn.Module, Callable[[], torch.Tensor], list[int
         calls[0] += 1
         return closure()
 
-    return model, counted, calls
+    return counted, calls
+
+
+def _adapt_at_step_1(
+    model: nn.Module, counted: Callable[[], torch.Tensor], calls: list[int]
+) -> Controller:
+    """Two iterate() steps at L2 adapting at step 1, with any probe affordable; ``calls``
+    counts the second step's closure runs (the step's own and the probes')."""
+    cfg = GactConfig.from_level("L2", min_numel=0, adapt_first_gap=1, adapt_budget=1e6)
+    with Controller(model, cfg) as controller:
+        controller.iterate(counted)
+        calls[0] = 0
+        controller.iterate(counted)
+    return controller
 
 
 def test_measured_models_adapt_without_probes() -> None:
@@ -179,11 +199,7 @@ def test_only_unmeasured_tensors_are_probed() -> None:
     """A transformer block: LayerNorm inputs, attention and GELU inputs are probed, the
     linear layers' inputs measured; probes number ``min_pair_probes`` of the probed items."""
     model, counted, calls = _counted("transformer")
-    cfg = GactConfig.from_level("L2", min_numel=0, adapt_first_gap=1, adapt_budget=1e6)
-    with Controller(model, cfg) as controller:
-        controller.iterate(counted)
-        calls[0] = 0
-        controller.iterate(counted)
+    controller = _adapt_at_step_1(model, counted, calls)
     adapter = controller.adapter
     assert adapter.count == 1
     items = len(controller.plan.bits)
@@ -201,19 +217,8 @@ def test_few_probed_tensors_are_probed_each_alone() -> None:
     predicted cost of an adaptation counts those runs."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128), nn.LayerNorm(128), nn.Linear(128, 10))
-    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
-    calls = [0]
-
-    def counted() -> torch.Tensor:
-        calls[0] += 1
-        return make_closure(model, x, y)()
-
-    cfg = GactConfig.from_level("L2", min_numel=0, adapt_first_gap=1, adapt_budget=1e6)
-    with Controller(model, cfg) as controller:
-        controller.iterate(counted)
-        calls[0] = 0
-        controller.iterate(counted)
-    adapter = controller.adapter
+    counted, calls = _counting(model, torch.randn(32, 64), torch.randint(0, 10, (32,)))
+    adapter = _adapt_at_step_1(model, counted, calls).adapter
     assert adapter.count == 1 and adapter.last_probed == 1
     assert calls[0] == 1 + 2  # the step, the base run and one probe
     assert adapter.predicted_cost(1.0, probed=1) == 2.0
@@ -372,13 +377,7 @@ def test_tensors_kept_at_full_precision_are_still_measured() -> None:
     including a ReLU output that the next linear layer also reads (one shared save)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
-    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
-    calls = [0]
-
-    def counted() -> torch.Tensor:
-        calls[0] += 1
-        return make_closure(model, x, y)()
-
+    counted, calls = _counting(model, torch.randn(32, 64), torch.randint(0, 10, (32,)))
     cfg = GactConfig.from_level(
         "L2", min_numel=0, adapt_first_gap=1, adapt_budget=1e6, memory_budget=1 << 30
     )
