@@ -195,7 +195,8 @@ class Adapter:
         previous = [plan.sensitivity.get(k, float(e)) for k, e in zip(items.keys, value)]
         sensitivity = gact_policy.smooth(previous, value, cfg.sensitivity_momentum)
         pins = items.pinned.copy()  # held items keep their widths (NOTE [Held tensors])
-        pins[held] = [max(plan.bits.get(items.keys[i], plan.default_bits), 1) for i in held]
+        current = [plan.bits.get(items.keys[i], plan.default_bits) for i in held]
+        pins[held] = np.maximum(current, items.lower[held])  # a new key's default may be lower
         bits = self._allocate(dataclasses.replace(items, pinned=pins), sensitivity)
         plan.bits = {k: int(b) for k, b in zip(items.keys, bits)}
         moved = np.setdiff1d(np.arange(len(items.keys)), held)
