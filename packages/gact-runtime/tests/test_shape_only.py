@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import pytest
@@ -12,7 +13,13 @@ from torch import nn
 
 Scatter = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
-# every spelling of the two ops whose backward reads ``source`` only for its shape
+
+def _flat(idx: torch.Tensor, width: int = 32) -> torch.Tensor:
+    """Rows ``idx`` of a ``[n, width]`` tensor as flat element indices."""
+    return (idx[:, None] * width + torch.arange(width)).flatten()
+
+
+# every spelling of the ops whose backward reads the messages ``src`` only for their shape
 SPELLINGS: dict[str, Scatter] = {
     "Tensor.index_add_": lambda out, idx, src: out.index_add_(0, idx, src),
     "Tensor.index_add": lambda out, idx, src: out.index_add(0, idx, src, alpha=2.0),
@@ -20,6 +27,16 @@ SPELLINGS: dict[str, Scatter] = {
     "aten.index_add": lambda out, idx, src: torch.ops.aten.index_add(out, 0, idx, src),
     "Tensor.index_copy_": lambda out, idx, src: out.index_copy_(0, idx, src),
     "torch.index_copy": lambda out, idx, src: torch.index_copy(out, 0, idx, src),
+    "Tensor.put_": lambda out, idx, src: out.put_(_flat(idx), src, accumulate=True),
+    "torch.put": lambda out, idx, src: torch.put(out, _flat(idx), src),
+    "torch.take_along_dim": lambda out, idx, src: (
+        out + torch.take_along_dim(src, idx[:, None].expand_as(src), 0)
+    ),
+    "Tensor.take_along_dim, flat": lambda out, idx, src: (
+        out + src.take_along_dim(_flat(idx)).view_as(out)
+    ),
+    "torch.gather": lambda out, idx, src: out + torch.gather(src, 0, idx[:, None].expand_as(src)),
+    "Tensor.gather": lambda out, idx, src: out + src.gather(0, idx[:, None].expand_as(src)),
 }
 
 
@@ -57,7 +74,7 @@ def _run(model: nn.Module, level: str | None, x: torch.Tensor, idx: torch.Tensor
 
 
 @pytest.mark.parametrize("spelling", sorted(SPELLINGS))
-def test_index_add_and_copy_store_their_source_as_its_shape(spelling: str) -> None:
+def test_scatters_and_gathers_store_their_messages_as_their_shape(spelling: str) -> None:
     """The source is stored as nothing but its shape, and the gradients that no rounding
     reaches are fp32's bit for bit: the source's gradient is ``grad.index_select(dim, index)``,
     from which the linear layer's input gradient (through its weight, kept) and its bias
@@ -68,7 +85,11 @@ def test_index_add_and_copy_store_their_source_as_its_shape(spelling: str) -> No
     ref_x, ref_b, _ = _run(model, None, x, idx)
     got_x, got_b, controller = _run(model, "L1", x, idx)
     assert torch.equal(got_x, ref_x) and torch.equal(got_b, ref_b)
-    records = [r for r in controller.ledger.last.values() if r.shape == (64, 32)]
+    records = [  # the messages (flattened by take_along_dim without a dim)
+        r
+        for r in controller.ledger.last.values()
+        if r.dtype.is_floating_point and math.prod(r.shape) == 64 * 32
+    ]
     assert [(r.kind, r.stored_bytes) for r in records] == [(Kind.SHAPE, 0)], records
     assert "shape" in controller.report()
 

@@ -245,6 +245,12 @@ class DecisionSpec:
             return 0
         return max(self.min_bits, min(8, nominal + self.extra_bits) if self.extra_bits else 0)
 
+    def shape_only(self, tensor: torch.Tensor) -> bool:
+        """Whether a save of ``tensor`` made during the call is read only for its shape: one
+        of ``shape_ids`` or a view of one (NOTE [Shape-only saves])."""
+        base = tensor._base
+        return id(tensor) in self.shape_ids or (base is not None and id(base) in self.shape_ids)
+
     def keeps(self, tensor: torch.Tensor) -> bool:
         """Whether a save of ``tensor`` made during the call is kept uncompressed."""
         return self.exact or id(tensor) in self.exact_ids or tensor.numel() <= self.exact_numel
@@ -452,7 +458,11 @@ def _conv(dims: int) -> _Rule:
 # ``index_add`` and ``index_copy`` (``out.index_add_(dim, index, source)``, the aggregation of
 # message passing in GNNs) save ``source``, whose gradient is ``grad.index_select(dim, index)``
 # expanded to ``source``'s shape: the backward reads ``source.dim()`` and its sizes, never a
-# value. That save, the messages (on the GNN examples the largest activation, 0.4-3.4 MB a
+# value. So do ``put`` (its ``source``: ``grad.take(index)`` reshaped, and ``zeros_like`` of it),
+# and ``gather`` and ``take_along_dim`` (their input, whose gradient scatters ``grad`` into
+# zeros of its shape; ``take_along_dim`` saves a broadcast view of it, so a save of a view of
+# the argument counts too). Every floating-point save these calls make is one of those, which
+# the tests check by reading NaNs in their place. The index ops' save, the messages (on the GNN examples the largest activation, 0.4-3.4 MB a
 # layer on Cora), is stored as its shape alone (``saved.SavedShape``, no bytes counted), so it
 # is no item of the allocation: nothing to probe, whose rounding would have been found harmless
 # only after probes. Its unpack is one NaN expanded to the shape, so a backward that ever read
@@ -460,11 +470,17 @@ def _conv(dims: int) -> _Rule:
 # ``tests/test_shape_only.py`` checks the gradients against fp32's bit for bit on this PyTorch.
 # Another op saving the same tensor stores it as usual: a shape-only save never enters the
 # table that shares one tensor's saves (NOTE [What autograd holds] in saved.py).
-def _shape_only(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
-    source = _arg(args, kwargs, 3, "source", None)
-    if not isinstance(source, torch.Tensor) or not source.is_floating_point():
-        return None
-    return DecisionSpec(shape_ids=frozenset({id(source)}))
+def _shape_only(position: int, name: str) -> _Rule:
+    """Rule of a call whose backward reads its argument at ``(position, name)`` only for its
+    shape (NOTE above)."""
+
+    def rule(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
+        value = _arg(args, kwargs, position, name, None)
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            return None
+        return DecisionSpec(shape_ids=frozenset({id(value)}))
+
+    return rule
 
 
 _Rule = Callable[[Sequence[Any], dict[str, Any]], "DecisionSpec | None"]
@@ -524,8 +540,11 @@ def _rules() -> dict[Callable[..., Any], _Rule]:
     add(_conv(1), F.conv1d)
     add(_conv(2), F.conv2d)
     add(_conv(3), F.conv3d)
-    add(_shape_only, torch.index_add, T.index_add, T.index_add_)
-    add(_shape_only, torch.index_copy, T.index_copy, T.index_copy_)
+    source = _shape_only(3, "source")
+    add(source, torch.index_add, T.index_add, T.index_add_)
+    add(source, torch.index_copy, T.index_copy, T.index_copy_)
+    add(_shape_only(2, "source"), torch.put, T.put, T.put_)
+    add(_shape_only(0, "input"), torch.take_along_dim, T.take_along_dim, torch.gather, T.gather)
     return table
 
 

@@ -545,7 +545,7 @@ class SaveHooks:
         spec = decisions.current_spec() if inside else None
         if (
             spec is not None
-            and id(tensor) in spec.shape_ids
+            and spec.shape_only(tensor)
             and self.plan.config.spec.compresses  # L0 stores what PyTorch would
         ):  # NOTE [Shape-only saves]
             self.ledger.record(key, tensor, Kind.SHAPE, None, 0)
