@@ -462,10 +462,10 @@ def _conv(dims: int) -> _Rule:
 # and ``gather`` and ``take_along_dim`` (their input, whose gradient scatters ``grad`` into
 # zeros of its shape; ``take_along_dim`` saves a broadcast view of it, so a save of a view of
 # the argument counts too). Every floating-point save these calls make is one of those, which
-# the tests check by reading NaNs in their place. The index ops' save, the messages (on the GNN examples the largest activation, 0.4-3.4 MB a
-# layer on Cora), is stored as its shape alone (``saved.SavedShape``, no bytes counted), so it
-# is no item of the allocation: nothing to probe, whose rounding would have been found harmless
-# only after probes. Its unpack is one NaN expanded to the shape, so a backward that ever read
+# the tests check by reading NaNs in their place. Such a save (the index ops' messages are the
+# GNN examples' largest activation, 0.4-3.4 MB a layer on Cora) is stored as its shape alone
+# (``saved.SavedShape``, no bytes counted), so it is no item of the allocation: nothing to
+# probe, whose rounding would have been found harmless only after probes. Its unpack is one NaN expanded to the shape, so a backward that ever read
 # the values (another PyTorch's formula) would give NaNs, never plausible wrong numbers;
 # ``tests/test_shape_only.py`` checks the gradients against fp32's bit for bit on this PyTorch.
 # Another op saving the same tensor stores it as usual: a shape-only save never enters the
