@@ -465,9 +465,10 @@ def _conv(dims: int) -> _Rule:
 # the tests check by reading NaNs in their place. Such a save (the index ops' messages are the
 # GNN examples' largest activation, 0.4-3.4 MB a layer on Cora) is stored as its shape alone
 # (``saved.SavedShape``, no bytes counted), so it is no item of the allocation: nothing to
-# probe, whose rounding would have been found harmless only after probes. Its unpack is one NaN expanded to the shape, so a backward that ever read
-# the values (another PyTorch's formula) would give NaNs, never plausible wrong numbers;
-# ``tests/test_shape_only.py`` checks the gradients against fp32's bit for bit on this PyTorch.
+# probe, whose rounding would have been found harmless only after probes. Its unpack is one
+# NaN expanded to the shape, so a backward that ever read the values (another PyTorch's
+# formula) would give NaNs, never plausible wrong numbers; ``tests/test_shape_only.py`` checks
+# the gradients against fp32's bit for bit on this PyTorch.
 # Another op saving the same tensor stores it as usual: a shape-only save never enters the
 # table that shares one tensor's saves (NOTE [What autograd holds] in saved.py).
 def _shape_only(position: int, name: str) -> _Rule:
