@@ -357,9 +357,10 @@ class Controller:
 
     @property
     def adaptation_due(self) -> bool:
-        """Whether the open step is one on which an adaptive level adapts (NOTE [Adaptation
-        schedule] in gact_policy, and NOTE [Prior allocation] in adapt.py): the schedule says
-        so and the time budget affords it."""
+        """Whether the open step is one on which an adaptive level adapts with probes (NOTE
+        [Adaptation schedule] in gact_policy, and NOTE [Prior allocation] in adapt.py): the
+        schedule says so and the time budget affords them. A measuring step that cannot
+        afford them still adapts the tensors it measured (NOTE [Held tensors] in adapt.py)."""
         if not self._scheduled():
             return False
         if self.plan.step == 0:
