@@ -26,6 +26,7 @@ import torch
 from gact import LEVELS, GactConfig
 from gact.integrations.transformers import GactCallback
 from gact_examples.memory import MemoryMeter, tune_malloc_for_measurement
+from gact_examples.train import default_probe_rows
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 
@@ -110,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     model = GPT2LMHeadModel(config)
     callback = GactCallback(
         GactConfig.from_level(args.level, adapt_interval=args.adapt_interval),
-        probe_batch_size=args.probe_batch_size or max(1, args.batch_size // 4),
+        probe_batch_size=args.probe_batch_size or default_probe_rows(args.batch_size),
     )
     training = TrainingArguments(
         output_dir=str(args.out.parent / f"{args.out.stem}-trainer"),

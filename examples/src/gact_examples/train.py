@@ -202,12 +202,18 @@ def progress(iterable: Iterable[T], args: argparse.Namespace, **kw: Any) -> Iter
     return tqdm(iterable, disable=disable, dynamic_ncols=True, leave=False, **kw)
 
 
+def default_probe_rows(rows: int) -> int:
+    """The examples' probe batch for a batch of ``rows``: a quarter of it, at least one row."""
+    return max(1, rows // 4)
+
+
 def probe_rows(
     args: argparse.Namespace, rows: int, closure: Callable[..., torch.Tensor]
 ) -> tuple[Callable[[], torch.Tensor], float] | None:
     """``Run.step``'s ``probe``: ``closure(n)`` on the first ``n = --probe-batch`` rows of a
-    batch of ``rows`` (default: a quarter of them), or ``None`` when that is the whole batch."""
-    n = args.probe_batch or max(1, rows // 4)
+    batch of ``rows`` (default: ``default_probe_rows``), or ``None`` when that is the whole
+    batch."""
+    n = args.probe_batch or default_probe_rows(rows)
     if n >= rows:
         return None
     return functools.partial(closure, n), n / rows
@@ -337,10 +343,9 @@ class Run:
 
         def iteration() -> torch.Tensor:
             if self.controller is not None:
-                if probe is None:
-                    return self.controller.iterate(closure)
+                probe_closure, fraction = probe or (None, 1.0)
                 return self.controller.iterate(
-                    closure, probe_closure=probe[0], probe_fraction=probe[1]
+                    closure, probe_closure=probe_closure, probe_fraction=fraction
                 )
             return closure()
 

@@ -213,10 +213,11 @@ class Adapter:
         self.last_held = int(held.size)
         spent = time.perf_counter() - start
         self.seconds += spent  # the meter's own time is counted by the controller
+        cost = spent + (meter.seconds if meter is not None else 0.0)
         if not (held.size and probes_later):  # NOTE [Held tensors]: their probes stay due
             self.last_step = plan.step
             self.last_probed = int(probed.size)
-            self.last_seconds = spent + (meter.seconds if meter is not None else 0.0)
+            self.last_seconds = cost
         widths, counts = np.unique(np.where(bits > 8, 0, bits), return_counts=True)
         per_width = (
             f"{f'{w} bits' if w else 'full precision'}: {n}" for w, n in zip(widths, counts)
@@ -230,7 +231,7 @@ class Adapter:
             len(items.keys) - probed.size - held.size,
             probed.size,
             held.size,
-            spent + (meter.seconds if meter is not None else 0.0),
+            cost,
             ", ".join(per_width),
         )
         return True
