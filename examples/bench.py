@@ -6,7 +6,9 @@
 
 DATA holds ``mnist/``, ``cora/``, ``cifar10-jpg/`` and ``tinyshakespeare/``. Every run is a
 subprocess (``examples/*/train_*.py ... --json FILE``) so that peak memory is per run. Levels L0
-(fp32, measuring-only hooks), L1, L2, L2.2, plus L3 when CUDA is available. Besides the training
+(fp32, measuring-only hooks), L1, L1.2, L2, L2.2, plus L3 when CUDA is available, and L2@L1 and
+L2.2@L1.2: the adaptive level given the uniform level's stored bytes of the same example and seed
+as its memory budget (NOTE [Matched levels] in ``gact_examples.levels``). Besides the training
 runs, some examples get an activation-dominated memory run per level (``--get-mem``: a few
 steps at a large batch). On CUDA, the largest batch that fits is found by binary search in
 subprocesses (CNN and transformer), as in the paper.
@@ -31,6 +33,7 @@ from gact_examples.bench.plots import plot
 from gact_examples.bench.specs import BASE_LEVELS, EXAMPLES, SCRIPTS, Example, Plan, run_args
 from gact_examples.bench.tables import render, write_markdown
 from gact_examples.data import default_cache_dir, default_data_root
+from gact_examples.levels import split_level
 from gact_examples.runs import machine_info, python_command, run_json
 
 HERE = Path(__file__).resolve().parent
@@ -43,7 +46,12 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, P
     p.add_argument("--seeds", type=int, default=None, help="seeds per config (3; --quick: 1)")
     p.add_argument("--quick", action="store_true", help="small configs for a fast check")
     p.add_argument("--examples", default=",".join(e.name for e in EXAMPLES))
-    p.add_argument("--levels", default=None, help="default L0,L1,L2,L2.2 (+L3 on CUDA)")
+    p.add_argument(
+        "--levels",
+        default=None,
+        help=f"comma-separated; A@U: level A at U's stored bytes (default {','.join(BASE_LEVELS)}, "
+        "+L3 on CUDA)",
+    )
     p.add_argument("--no-mem", action="store_true", help="skip the memory runs")
     p.add_argument("--no-max-batch", action="store_true", help="skip the GPU max-batch search")
     p.add_argument("--device", default=None)
@@ -64,6 +72,14 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, P
 
     args.cuda = torch.cuda.is_available() and args.device != "cpu"
     levels = args.levels.split(",") if args.levels else [*BASE_LEVELS, *(["L3"] * args.cuda)]
+    levels = [lv.strip() for lv in levels if lv.strip()]
+    for i, level in enumerate(levels):
+        try:
+            uniform = split_level(level)[1]
+        except KeyError as exc:
+            p.error(str(exc.args[0]))
+        if uniform is not None and uniform not in levels[:i]:
+            p.error(f"level {level} runs at {uniform}'s stored bytes: list {uniform} before it")
     by_name = {e.name: e for e in EXAMPLES}
     names = [n.strip() for n in args.examples.split(",") if n.strip()]
     unknown = sorted(set(names) - set(by_name))
@@ -71,7 +87,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, P
         p.error(f"unknown example(s) {unknown}; choose from {sorted(by_name)}")
     plan = Plan(
         examples=tuple(by_name[n] for n in names),
-        levels=tuple(lv.strip() for lv in levels if lv.strip()),
+        levels=tuple(levels),
         seeds=args.seeds or (1 if args.quick else 3),
         quick=args.quick,
         memory=not args.no_mem,
@@ -127,8 +143,24 @@ def _jobs(plan: Plan) -> list[tuple[Example, str, str, int]]:
             for level in plan.levels:  # interleaved: load changes hit every level alike
                 jobs.append((ex, "train", level, seed))
         if plan.memory and ex.mem:
-            jobs += [(ex, "mem", level, 0) for level in plan.levels]
+            jobs += [(ex, "mem", level, 0) for level in plan.own_levels]
     return jobs
+
+
+def memory_budget(results: dict[str, Any], ex: Example, level: str, seed: int) -> int | None:
+    """A matched level's budget: the stored bytes of its uniform level's training run of the
+    same example and seed (NOTE [Matched levels]); ``None`` for other levels.
+
+    Raises:
+        LookupError: that run failed or has not run.
+    """
+    uniform = split_level(level)[1]
+    if uniform is None:
+        return None
+    for rec in results["train"].get(ex.name, {}).get(uniform, []):
+        if rec.get("seed") == seed:
+            return int(rec["stored_bytes"])
+    raise LookupError(f"no {uniform} run of seed {seed} to take its stored bytes from")
 
 
 def collect(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
@@ -156,7 +188,12 @@ def collect(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
             results["missing"].append(f"{ex.name} {kind} {level} seed {seed}")
             continue
         else:
-            options = run_args(ex, plan, level, seed, jpath, kind)
+            try:
+                budget = memory_budget(results, ex, level, seed)
+            except LookupError as exc:
+                results["failures"].append(f"{ex.name} {kind} {level} seed {seed}: {exc}")
+                continue
+            options = run_args(ex, plan, level, seed, jpath, kind, budget)
             rec = run_json(
                 _command(ex, options), jpath, jpath.with_suffix(".log"), timeout=args.timeout
             )
@@ -169,7 +206,7 @@ def collect(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
     if args.cuda and not args.no_max_batch and not args.report_only:
         for ex in (e for e in plan.examples if e.max_batch):
             results["max_batch"][ex.name] = {
-                level: max_batch(ex, plan, level, work, args.timeout) for level in plan.levels
+                level: max_batch(ex, plan, level, work, args.timeout) for level in plan.own_levels
             }
     results["wall_s"] = None if args.report_only else time.time() - start
     results["work_dir"] = str(work)

@@ -139,3 +139,103 @@ def test_adaptive_levels_are_checked_against_uniform_ones(plan, results):
     assert (cost.measured, cost.met) == ("8.0 %", "**no**")
     assert "GCN / Cora: L2 adaptation cost" not in by_name  # no cost recorded: not checked
     assert any("3.0, 8.0 %" in line for line in lines)
+
+
+MATCHED = (*LEVELS, "L2@L1", "L2.2@L1.2")
+
+
+@pytest.fixture
+def matched(plan, results) -> tuple[Plan, dict[str, Any]]:
+    """The plan with the adaptive levels also at their uniform levels' bytes; their records
+    store what the uniform level does, with accuracies set per test."""
+    for name in results["train"]:
+        for lv, uniform in (("L2@L1", "L1"), ("L2.2@L1.2", "L1.2")):
+            results["train"][name][lv] = [
+                dict(r, level=lv) for r in results["train"][name][uniform]
+            ]
+    return replace(plan, levels=MATCHED), results
+
+
+def _accuracies(results: dict[str, Any], name: str, level: str, values: list[float]) -> None:
+    results["train"][name][level] = [
+        dict(r, final_metric=v) for r, v in zip(results["train"][name][level], values)
+    ]
+
+
+def test_adaptive_levels_are_compared_at_equal_bytes(matched):
+    """With the matched levels in the plan, the table compares L2@L1 with L1 (not L2): a win by
+    more than one standard error counts, a tie does not, and the share of wins is checked."""
+    plan, results = matched
+    _accuracies(results, "gcn", "L1", [0.80, 0.81])
+    _accuracies(results, "gcn", "L2@L1", [0.83, 0.84])  # +3 points, SE 0.71: better
+    _accuracies(results, "gcn", "L2", [0.70, 0.71])  # the default L2 is not the one compared
+    _accuracies(results, "cifar10", "L1", [0.45, 0.44])
+    _accuracies(results, "cifar10", "L2@L1", [0.45, 0.445])  # a tie
+    lines, checks = tables.adaptive_table(plan, results)
+    header = lines[1]
+    assert "L2@L1 − L1" in header and "L2.2@L1.2 − L1.2" in header and "L2 − L1" not in header
+    gcn = next(line for line in lines if line.startswith("| GCN"))
+    assert "+3.00 ± 0.71 pt | 1.00× | better" in gcn
+    assert "| tie |" in next(line for line in lines if line.startswith("| ResNet-small / CIFAR"))
+    by_name = {c.name: c for c in checks}
+    wins = by_name["L2@L1 better than L1 by more than 1 SE"]
+    assert (wins.measured, wins.target, wins.met) == ("1 of 3 examples", "≥ 2", "**no**")
+    _accuracies(results, "cifar10", "L2@L1", [0.47, 0.47])  # +2.5 points, SE 0.35
+    wins = {c.name: c for c in tables.adaptive_table(plan, results)[1]}
+    assert wins["L2@L1 better than L1 by more than 1 SE"].met == "yes"
+    assert by_name["GCN / Cora: L2@L1 no worse than L1"].met == "yes"
+
+
+def test_a_worse_adaptive_level_fails(matched):
+    plan, results = matched
+    _accuracies(results, "gcn", "L2.2@L1.2", [0.70, 0.71])  # 9.5 points below L1.2
+    lines, checks = tables.adaptive_table(plan, results)
+    assert "**worse**" in next(line for line in lines if line.startswith("| GCN"))
+    assert {c.name: c for c in checks}["GCN / Cora: L2.2@L1.2 no worse than L1.2"].met == "**no**"
+
+
+def test_matched_levels_have_no_memory_runs(matched):
+    plan, results = matched
+    assert plan.own_levels == LEVELS
+    lines, _ = tables.memory_table(plan, results)
+    assert "L2@L1" not in lines[1] and "L2.2" in lines[1] and "n/a" not in "".join(lines)
+    section = tables.render(plan, results, {"cpu": "test"})
+    assert "LEVEL A@U is `--level A --memory-budget B`" in section
+
+
+def test_bench_plan_and_budgets(script, data_root, capsys):
+    """bench.py runs a matched level after its uniform one, with that run's stored bytes as
+    the budget, and no memory run for it; it refuses plans that cannot."""
+    bench = script("bench.py")
+    args, plan = bench.parse_args(["--data", str(data_root), "--examples", "text", "--quick"])
+    assert plan.levels[-2:] == ("L2@L1", "L2.2@L1.2") and not args.cuda
+    jobs = [(kind, level) for _, kind, level, _ in bench._jobs(plan)]
+    assert jobs.index(("train", "L1")) < jobs.index(("train", "L2@L1"))
+    assert ("mem", "L2") in jobs and ("mem", "L2@L1") not in jobs
+    results = {
+        "train": {"text": {"L1": [{"seed": 0, "stored_bytes": 7}, {"seed": 1, "stored_bytes": 9}]}}
+    }
+    text = BY_NAME["text"]
+    assert bench.memory_budget(results, text, "L2@L1", 1) == 9
+    assert bench.memory_budget(results, text, "L2", 1) is None
+    with pytest.raises(LookupError, match="no L1 run of seed 2"):
+        bench.memory_budget(results, text, "L2@L1", 2)
+    for levels, message in (
+        ("L0,L2@L1,L1", "list L1 before it"),
+        ("L1,L1@L0", "only an adaptive level"),
+        ("L1,L9", "unknown GACT level 'L9'"),
+    ):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--data", str(data_root), "--levels", levels])
+        assert message in capsys.readouterr().err
+
+
+def test_one_seed_gives_no_verdict(matched):
+    plan, results = matched
+    for per_level in results["train"].values():
+        for level in per_level:
+            per_level[level] = per_level[level][:1]
+    lines, checks = tables.adaptive_table(replace(plan, seeds=1), results)
+    gcn = next(line for line in lines if line.startswith("| GCN"))
+    assert "+0.00 pt | 1.00× | n/a |" in gcn and "±" not in gcn
+    assert {c.met for c in checks} == {"n/a"}

@@ -128,6 +128,14 @@ def base_parser(
         help="steps between sensitivity probes at adaptive levels (default: the library's)",
     )
     p.add_argument(
+        "--memory-budget",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="adaptive levels: bytes the saved tensors of one step may occupy, metadata "
+        "included (GactConfig.memory_budget; default: the level's average bits)",
+    )
+    p.add_argument(
         "--get-mem",
         action="store_true",
         help="memory run: train --mem-steps steps only, print the memory breakdown, no eval",
@@ -171,7 +179,10 @@ def check_args(
             f"--device {args.device}: torch.cuda.is_available() is False here (CPU build of "
             "torch, or no GPU); use --device cpu"
         )
-    for name in ("epochs", "mem_steps", "batch_size", "probe_batch"):
+    if args.memory_budget is not None and not (args.gact and gact.LEVELS[args.level].adaptive):
+        adaptive = ", ".join(k for k, v in gact.LEVELS.items() if v.adaptive)
+        parser.error(f"--memory-budget needs --gact and an adaptive --level ({adaptive})")
+    for name in ("epochs", "mem_steps", "batch_size", "probe_batch", "memory_budget"):
         value = getattr(args, name, None)  # None: the option is absent or left to its default
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -281,6 +292,9 @@ class Run:
         self.live_peak: int | None = None  # CPU memory runs: live tensors in one step
         self.step_times: list[float] = []
         self.stats: dict[str, Any] = {}
+        # (original, stored) bytes of the step that saved the most, the latest on ties: a
+        # partial last batch must not stand for the run's steps
+        self.step_bytes: tuple[int, int] | None = None
         self.history: list[dict[str, Any]] = []
         self.n_params = sum(p.numel() for p in model.parameters())
         self.train_time = 0.0
@@ -295,6 +309,8 @@ class Run:
         options = {"seed": args.gact_seed, "derivative_tables": not args.no_derivative_tables}
         if args.adapt_interval is not None:
             options["adapt_interval"] = args.adapt_interval
+        if args.memory_budget is not None:
+            options["memory_budget"] = args.memory_budget
         controller = gact.Controller(model, gact.GactConfig.from_level(args.level, **options))
         controller.install_hook()
         return controller
@@ -359,6 +375,9 @@ class Run:
             self.step_times.append(time.perf_counter() - t)
         if self.controller is not None:
             self.stats = dict(self.controller.stats())
+            saved = (self.stats["original_bytes"], self.stats["stored_bytes"])
+            if self.step_bytes is None or saved[0] >= self.step_bytes[0]:
+                self.step_bytes = saved
         return loss.detach()
 
     def train_steps(
@@ -418,8 +437,7 @@ class Run:
         # The first steps include warm-up (allocator, and the first sensitivity probes at
         # adaptive levels); the median over all steps ignores them.
         step_time = statistics.median(self.step_times) if self.step_times else math.nan
-        orig = self.stats.get("original_bytes")
-        stored = self.stats.get("stored_bytes")
+        orig, stored = self.step_bytes or (None, None)
         tuned = " + glibc mmap threshold 128 KiB" if getattr(self.args, "malloc_tuned", 0) else ""
         rec: dict[str, Any] = {
             "model": model,

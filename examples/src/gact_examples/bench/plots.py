@@ -16,8 +16,8 @@ __all__ = ["plot"]
 MIB = 1 / 2**20
 
 
-def _labels(plan: Plan) -> list[str]:
-    return [chart_label(lv) for lv in plan.levels]
+def _labels(levels: tuple[str, ...]) -> list[str]:
+    return [chart_label(lv) for lv in levels]
 
 
 def _metric_panel(plan: Plan, ex: Example, runs: dict[str, list[dict[str, Any]]]) -> Panel:
@@ -27,7 +27,7 @@ def _metric_panel(plan: Plan, ex: Example, runs: dict[str, list[dict[str, Any]]]
     several = all(n > 1 for _, _, n in stats)
     return Panel(
         f"{ex.title}\n{ex.metric.label}",
-        _labels(plan),
+        _labels(plan.levels),
         means,
         notes=["" if math.isnan(m) else f"{m:.{digits}f}" for m in means],
         errors=[s * scale for _, s, _ in stats] if several else None,
@@ -43,22 +43,26 @@ def _saved_panel(plan: Plan, ex: Example, runs: dict[str, list[dict[str, Any]]])
         for lv, s in zip(plan.levels, stored)
     ]
     return Panel(
-        f"{ex.title}\nsaved activations (MiB/step)", _labels(plan), [s * MIB for s in stored], notes
+        f"{ex.title}\nsaved activations (MiB/step)",
+        _labels(plan.levels),
+        [s * MIB for s in stored],
+        notes,
     )
 
 
 def _peak_panel(plan: Plan, ex: Example, runs: dict[str, list[dict[str, Any]]]) -> Panel:
+    levels = plan.own_levels  # the memory runs'
     peaks = [
-        ((runs.get(lv) or [{}])[0].get("peak_memory_delta_bytes") or math.nan) for lv in plan.levels
+        ((runs.get(lv) or [{}])[0].get("peak_memory_delta_bytes") or math.nan) for lv in levels
     ]
-    fp32 = peaks[plan.levels.index(BASELINE)] if BASELINE in plan.levels else math.nan
+    fp32 = peaks[levels.index(BASELINE)] if BASELINE in levels else math.nan
     notes = [
         "" if math.isnan(p) or math.isnan(fp32) or lv == BASELINE else f"{fp32 / p:.1f}x less"
-        for lv, p in zip(plan.levels, peaks)
+        for lv, p in zip(levels, peaks)
     ]
     return Panel(
         f"{ex.title}\npeak memory over baseline (MiB)\n{ex.mem_title}",
-        _labels(plan),
+        _labels(levels),
         [p * MIB for p in peaks],
         notes,
     )

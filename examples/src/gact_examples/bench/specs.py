@@ -11,6 +11,8 @@ import shlex
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ..levels import matched_level, split_level
+
 __all__ = [
     "ACCURACY",
     "ADAPTIVE_PAIRS",
@@ -32,13 +34,21 @@ SCRIPTS = {
     "vision": "vision/train_vision.py",
     "text": "text/train_char_gpt.py",
 }
-#: Levels of every benchmark (L3 is added on CUDA).
-BASE_LEVELS = ("L0", "L1", "L1.2", "L2", "L2.2")
 #: Each adaptive level and the uniform level of the same bits per element.
 ADAPTIVE_PAIRS = (("L2", "L1"), ("L2.2", "L1.2"))
-#: Compression ratios, the peak-memory reduction (fp32 over L2) and the adaptation cost (% of
-#: training time) the tables check.
-TARGETS = {"L2_ratio": 7.0, "L2.2_ratio": 12.0, "peak_reduction": 3.0, "adaptation_cost": 5.0}
+#: Levels of every benchmark (L3 is added on CUDA): each adaptive level also at its uniform
+#: level's stored bytes (NOTE [Matched levels]), after that level.
+BASE_LEVELS = ("L0", "L1", "L1.2", "L2", "L2.2", *(matched_level(a, u) for a, u in ADAPTIVE_PAIRS))
+#: Compression ratios, the peak-memory reduction (fp32 over L2), the adaptation cost (% of
+#: training time) and the share of examples on which an adaptive level beats its uniform one
+#: at equal bytes by more than one standard error, as the tables check.
+TARGETS = {
+    "L2_ratio": 7.0,
+    "L2.2_ratio": 12.0,
+    "peak_reduction": 3.0,
+    "adaptation_cost": 5.0,
+    "adaptive_wins": 0.5,
+}
 
 
 @dataclass(frozen=True)
@@ -56,6 +66,8 @@ class Metric:
     Example:
         >>> round(ACCURACY.gap(fp32=97.0, level=96.8), 2), ACCURACY.meets(-0.2, target=0.5)
         (-0.2, True)
+        >>> ACCURACY.better(0.6, margin=0.5), VAL_LOSS.better(0.6, margin=0.5)
+        (True, False)
         >>> round(VAL_LOSS.gap(fp32=2.0, level=2.02), 2), VAL_LOSS.target_text(2.0)
         (1.0, '≤ +2 %')
     """
@@ -80,6 +92,10 @@ class Metric:
     def meets(self, gap: float, target: float) -> bool:
         """Whether ``gap`` is within ``target`` (no worse than fp32 by more than it)."""
         return gap >= -target if self.higher_is_better else gap <= target
+
+    def better(self, gap: float, margin: float) -> bool:
+        """Whether ``gap`` is better than fp32 (or another reference) by more than ``margin``."""
+        return gap > margin if self.higher_is_better else gap < -margin
 
     def target_text(self, target: float) -> str:
         return f"≥ −{target:g} pt" if self.higher_is_better else f"≤ +{target:g} %"
@@ -195,21 +211,49 @@ class Plan:
     data: str = "DATA"
     device: str | None = None
 
+    @property
+    def own_levels(self) -> tuple[str, ...]:
+        """The levels run at their own settings, matched ones (``L2@L1``, NOTE [Matched
+        levels]) left out: those of the memory runs and the max-batch search."""
+        return tuple(lv for lv in self.levels if split_level(lv)[1] is None)
+
 
 def run_args(
-    ex: Example, plan: Plan, level: str, seed: int | str, json_path: Path | str, kind: str
+    ex: Example,
+    plan: Plan,
+    level: str,
+    seed: int | str,
+    json_path: Path | str,
+    kind: str,
+    memory_budget: int | str | None = None,
 ) -> list[str]:
     """Options of one run of ``ex``'s script; ``kind`` is ``"train"`` or ``"mem"``.
 
+    Args:
+        memory_budget: a matched level's (``L2@L1``) bytes: its uniform level's stored bytes
+            in the same example and seed (NOTE [Matched levels]).
+
+    Raises:
+        ValueError: a matched level without ``memory_budget``, or another level with one.
+
     Example:
-        >>> run_args(EXAMPLES[0], Plan(EXAMPLES[:1], ("L2",), 1), "L2", 0, "r.json", "train")[:6]
+        >>> plan = Plan(EXAMPLES[:1], ("L1", "L2@L1"), 1)
+        >>> run_args(EXAMPLES[0], plan, "L2", 0, "r.json", "train")[:6]
         ['--data', 'DATA', '--model', 'gcn', '--epochs', '100']
+        >>> run_args(EXAMPLES[0], plan, "L2@L1", 0, "r.json", "train", 2**20)[-7:-3]
+        ['--level', 'L2', '--memory-budget', '1048576']
     """
+    name, uniform = split_level(level)
+    if (uniform is None) != (memory_budget is None):
+        need = "needs its uniform level's stored bytes" if uniform else "takes no"
+        raise ValueError(f"level {level!r} {need} memory_budget (got {memory_budget!r})")
     if kind == "mem":
         base = [*(ex.mem or ()), "--get-mem"]
     else:
         base = list(ex.quick if plan.quick else ex.train)
-    options = ["--data", str(plan.data), *base, "--seed", str(seed), "--gact", "--level", level]
+    options = ["--data", str(plan.data), *base, "--seed", str(seed), "--gact", "--level", name]
+    if memory_budget is not None:
+        options += ["--memory-budget", str(memory_budget)]
     if plan.device:
         options += ["--device", plan.device]
     return [*options, "--no-progress", "--json", str(json_path)]
@@ -217,5 +261,6 @@ def run_args(
 
 def command_template(ex: Example, plan: Plan, kind: str) -> str:
     """The command of ``ex``'s runs as a user types it, with LEVEL, SEED and OUT.json."""
-    options = run_args(ex, replace(plan, data="DATA"), "LEVEL", "SEED", "OUT.json", kind)
+    options = run_args(ex, replace(plan, data="DATA"), "L0", "SEED", "OUT.json", kind)
+    options[options.index("--level") + 1] = "LEVEL"
     return shlex.join(["python", f"examples/{SCRIPTS[ex.script]}", *options])

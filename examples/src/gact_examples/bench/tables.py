@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..levels import BASELINE, level_label
+from ..levels import BASELINE, level_label, matched_level
 from ..runs import fmt_mean_std, mean_std
 from .specs import ADAPTIVE_PAIRS, TARGETS, Example, Plan, command_template
 
@@ -102,19 +102,34 @@ def metric_table(plan: Plan, results: dict[str, Any]) -> tuple[list[str], list[C
     return [*lines, ""], checks
 
 
+def _adaptive_pairs(plan: Plan) -> list[tuple[str, str]]:
+    """(adaptive, uniform) pairs to compare: the adaptive level at the uniform level's bytes
+    when the plan runs it (NOTE [Matched levels]), else at its own settings."""
+    pairs = []
+    for a, u in ADAPTIVE_PAIRS:
+        m = matched_level(a, u)
+        if u in plan.levels and (m in plan.levels or a in plan.levels):
+            pairs.append((m if m in plan.levels else a, u))
+    return pairs
+
+
 def adaptive_table(plan: Plan, results: dict[str, Any]) -> tuple[list[str], list[Check]]:
-    """Each adaptive level against the uniform level of its budget (``ADAPTIVE_PAIRS``), and
-    the adaptation cost of the adaptive levels against ``TARGETS["adaptation_cost"]``."""
-    pairs = [(a, u) for a, u in ADAPTIVE_PAIRS if a in plan.levels and u in plan.levels]
+    """Each adaptive level against the uniform level of its bits (``ADAPTIVE_PAIRS``) at equal
+    stored bytes where the plan allows, checked for no loss beyond one standard error and for
+    wins beyond one on ``TARGETS["adaptive_wins"]`` of the examples; and the adaptation cost of
+    the adaptive levels against ``TARGETS["adaptation_cost"]``."""
+    pairs = _adaptive_pairs(plan)
     if not pairs:
         return [], []
     lines = ["### Adaptive against uniform bits, and what adapting costs\n"]
     cols = ["example"]
     for a, u in pairs:
-        cols += [f"{a} − {u}", "met"]
-    cols += [f"{a}: adaptations, cost" for a, _ in pairs]
+        cols += [f"{a} − {u}", "bytes", "verdict"]
+    adaptive = [a for a, _ in ADAPTIVE_PAIRS if a in plan.levels]
+    cols += [f"{a}: adaptations, cost" for a in adaptive]
     lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     checks = []
+    wins, judged = dict.fromkeys(pairs, 0), dict.fromkeys(pairs, 0)
     budget = TARGETS["adaptation_cost"]
     for ex in plan.examples:
         runs, metric = _runs(results, "train", ex), ex.metric
@@ -122,15 +137,23 @@ def adaptive_table(plan: Plan, results: dict[str, Any]) -> tuple[list[str], list
         for a, u in pairs:
             ma, sa, na = _stat(runs.get(a, []), "final_metric", metric.scale)
             mu, su, nu = _stat(runs.get(u, []), "final_metric", metric.scale)
-            # seed noise: one standard error of the difference of the two means
-            se = math.sqrt(sa**2 / na + su**2 / nu) if na and nu else math.nan
+            # seed noise: one standard error of the difference of the two means (none from
+            # one seed: no verdict then)
+            se = math.sqrt(sa**2 / na + su**2 / nu) if na > 1 and nu > 1 else math.nan
             gap = metric.gap(mu, ma)
-            se_gap = metric.gap(mu, mu + se) if metric.higher_is_better else se / mu * 100
-            ok = not math.isnan(gap) and metric.meets(gap, abs(se_gap))
-            text = f"{gap:+.2f} ± {abs(se_gap):.2f} {metric.gap_unit}"
-            cells += [text, _yes_no(ok)]
-            checks.append(Check(f"{ex.title}: {a} no worse than {u}", text, "≥ −1 SE", _yes_no(ok)))
-        for a, _ in pairs:
+            se_gap = abs(metric.gap(mu, mu + se) if metric.higher_is_better else se / mu * 100)
+            ok = not math.isnan(gap) and metric.meets(gap, se_gap)
+            won = ok and metric.better(gap, se_gap)
+            wins[a, u] += won
+            spread = "" if math.isnan(se) else f" ± {se_gap:.2f}"
+            text = f"{gap:+.2f}{spread} {metric.gap_unit}"
+            judged[a, u] += not math.isnan(se)
+            bytes_a, bytes_u = (_stat(runs.get(lv, []), "stored_bytes")[0] for lv in (a, u))
+            verdict = "n/a" if math.isnan(se) else "better" if won else "tie" if ok else "**worse**"
+            cells += [text, fmt_mean_std(bytes_a / bytes_u, 0.0, 2, "×"), verdict]
+            met = "n/a" if math.isnan(se) else _yes_no(ok)
+            checks.append(Check(f"{ex.title}: {a} no worse than {u}", text, "≥ −1 SE", met))
+        for a in adaptive:
             recs = runs.get(a, [])
             count = _stat(recs, "adaptations")[0]
             cost = _stat(recs, "adaptation_overhead", 100.0)[0]
@@ -142,14 +165,22 @@ def adaptive_table(plan: Plan, results: dict[str, Any]) -> tuple[list[str], list
             checks.append(Check(f"{ex.title}: {a} adaptation cost", f"{cost:.1f} %",
                                 f"≤ {budget:g} %", met))  # fmt: skip
         lines.append(_row(cells))
+    need = math.ceil(TARGETS["adaptive_wins"] * len(plan.examples))
+    for (a, u), k in wins.items():
+        met = _yes_no(k >= need) if judged[a, u] else "n/a"
+        checks.append(Check(f"{a} better than {u} by more than 1 SE",
+                            f"{k} of {len(plan.examples)} examples", f"≥ {need}", met))  # fmt: skip
     lines.append(
         "\nThe adaptive level's mean against the uniform level's, in the units of the fp32 gap "
         "(accuracy points: positive is better; % of the validation loss: negative is better), ± "
-        "one standard error of the difference of the means over seeds; met when the adaptive "
-        "level is no worse than the uniform one by more than that. L2 and L1 spend 4 bits per element, "
-        "L2.2 and L1.2 2 bits (the adaptive levels count metadata and masks inside that budget, "
-        "the uniform ones on top of it). Cost: mean number of adaptations per run and the time "
-        "spent adapting over the time spent training (`stats()['adaptation_overhead']`).\n"
+        "one standard error of the difference of the means over seeds. Verdict: better or worse "
+        "by more than that, else a tie. L2 and L1 spend 4 bits per element, L2.2 and L1.2 2 bits, "
+        "but the adaptive levels count metadata and masks inside that budget and the uniform "
+        "ones on top of it; so `L2@L1` is L2 given the stored bytes of the same seed's L1 run as "
+        "its memory budget (`--memory-budget`), and bytes is its stored bytes over L1's: the "
+        "two then differ only in how the bytes are spread. Cost: mean number of adaptations "
+        "per run of the adaptive level at its own settings and the time spent adapting over "
+        "the time spent training (`stats()['adaptation_overhead']`).\n"
     )
     return lines, checks
 
@@ -177,8 +208,9 @@ def activation_table(plan: Plan, results: dict[str, Any]) -> tuple[list[str], li
                 )
         lines.append(_row(cells))
     lines.append(
-        "\nfp32: bytes autograd saved in the last training step of the fp32 (L0) run. Other "
-        "levels: compression ratio (original_bytes / stored_bytes of the same run's last step: "
+        "\nfp32: bytes autograd saved in a full training step of the fp32 (L0) run (the "
+        "latest of the steps that saved the most: a partial last batch does not count). Other "
+        "levels: compression ratio (original_bytes / stored_bytes of the same run's such step: "
         "the fp32 bytes of every distinct saved tensor over what GACT kept, per-group metadata "
         "included; integer tensors are kept and count on both sides) and the stored bytes.\n"
     )
@@ -212,13 +244,13 @@ def memory_table(plan: Plan, results: dict[str, Any]) -> tuple[list[str], list[C
     if not examples:
         return [], []
     lines = ["### Peak memory, activation-dominated configurations (`--get-mem`, seed 0)\n"]
-    lines += _header("example (config)", plan.levels, "fp32 / L2", "target")
+    lines += _header("example (config)", plan.own_levels, "fp32 / L2", "target")
     checks, need = [], TARGETS["peak_reduction"]
     for ex in examples:
         runs = _runs(results, "mem", ex)
         config = " ".join(ex.mem or ())
         cells = [f"{ex.title} (`{config}`)"]
-        for level in plan.levels:
+        for level in plan.own_levels:
             r = _first(runs, level)
             live = None if r is None else r.get("live_peak_bytes")
             cells.append(
@@ -272,12 +304,11 @@ def max_batch_table(plan: Plan, results: dict[str, Any]) -> list[str]:
             "this run had none.\n"
         ]
     lines = ["### Largest batch that fits (GPU, binary search until OOM)\n"]
-    lines += _header("example", plan.levels)
+    lines += _header("example", plan.own_levels)
     titles = {ex.name: ex.title for ex in plan.examples}
     for name, per_level in results["max_batch"].items():
-        lines.append(
-            _row([titles.get(name, name), *(str(per_level.get(lv, "n/a")) for lv in plan.levels)])
-        )
+        cells = (str(per_level.get(lv, "n/a")) for lv in plan.own_levels)
+        lines.append(_row([titles.get(name, name), *cells]))
     return [*lines, ""]
 
 
@@ -298,7 +329,8 @@ def _commands(plan: Plan) -> list[str]:
     lines = [
         "### Commands\n",
         f"Each cell above is one run of (LEVEL ∈ {', '.join(plan.levels)}; "
-        f"SEED ∈ 0..{plan.seeds - 1}):\n",
+        f"SEED ∈ 0..{plan.seeds - 1}; LEVEL A@U is `--level A --memory-budget B`, B being the "
+        "`stored_bytes` of the same example and seed's run at U):\n",
         "```",
         *(command_template(ex, plan, "train") for ex in plan.examples),
     ]
