@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 from gact import LEVELS, GactConfig
+from gact.integrations import DEFAULT_PROBE_SHARE
 from gact.integrations.transformers import GactCallback
 from gact_examples.memory import MemoryMeter, tune_malloc_for_measurement
-from gact_examples.train import default_probe_rows
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 
@@ -62,8 +62,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--probe-batch-size",
         type=int,
         default=None,
-        help="sensitivity probes replay only this many rows of the micro-batch (default: a "
-        "quarter of it, as the other examples; the tensors read linearly need no probe)",
+        help="sensitivity probes replay only this many rows of the micro-batch (default: "
+        "GactCallback's, a quarter of it; the tensors read linearly need no probe)",
     )
     p.add_argument("--eval-blocks", type=int, default=64, help="held-out blocks to evaluate on")
     p.add_argument("--seed", type=int, default=0)
@@ -111,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     model = GPT2LMHeadModel(config)
     callback = GactCallback(
         GactConfig.from_level(args.level, adapt_interval=args.adapt_interval),
-        probe_batch_size=args.probe_batch_size or default_probe_rows(args.batch_size),
+        probe_batch_size=args.probe_batch_size or DEFAULT_PROBE_SHARE,
     )
     training = TrainingArguments(
         output_dir=str(args.out.parent / f"{args.out.stem}-trainer"),

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from gact_examples.train import REQUIRED_KEYS, probe_rows
+from gact_examples.train import REQUIRED_KEYS, sub_batch_probe
 
 GNN, VISION, TEXT = "gnn/train_gnn.py", "vision/train_vision.py", "text/train_char_gpt.py"
 BERT = "hf/train_bert_classifier.py"
@@ -193,13 +193,14 @@ def test_probes_run_on_a_quarter_of_the_batch_by_default():
         rows_seen.append(rows)
         return torch.zeros(())
 
-    probe, fraction = probe_rows(argparse.Namespace(probe_batch=None), 64, closure)
+    probe, fraction = sub_batch_probe(argparse.Namespace(probe_batch=None), 64, closure)
     probe()
     assert rows_seen == [16] and fraction == 0.25
-    probe, fraction = probe_rows(argparse.Namespace(probe_batch=8), 64, closure)
+    probe, fraction = sub_batch_probe(argparse.Namespace(probe_batch=8), 64, closure)
     assert fraction == 0.125
-    assert probe_rows(argparse.Namespace(probe_batch=64), 64, closure) is None
-    assert probe_rows(argparse.Namespace(probe_batch=None), 3, closure) is not None
+    assert sub_batch_probe(argparse.Namespace(probe_batch=64), 64, closure) is None
+    assert sub_batch_probe(argparse.Namespace(probe_batch=None), 3, closure)[1] == 2 / 3
+    assert sub_batch_probe(argparse.Namespace(probe_batch=None), 2, closure) is None  # BatchNorm
 
 
 def test_a_probe_batch_below_one_is_a_usage_error(data_root, capsys, script):

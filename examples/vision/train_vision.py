@@ -26,9 +26,9 @@ from gact_examples.train import (
     base_parser,
     check_args,
     finish,
-    probe_rows,
     progress,
     setup,
+    sub_batch_probe,
 )
 
 # per-channel mean/std of the training images (0..1 scale)
@@ -155,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 idx = torch.arange(step * args.batch_size, (step + 1) * args.batch_size) % n_train
             xb = pre(data["x_train"][idx], train=True)
             yb = data["y_train"][idx].to(device)
-            loss = run.step(closure, probe_rows(args, len(yb), closure))
+            loss = run.step(closure, sub_batch_probe(args, len(yb), closure))
             optimizer.step()
             sched.step()
             if (step + 1) % 10 == 0:

@@ -29,6 +29,7 @@ from typing import IO, Any, TypeVar
 import gact
 import numpy as np
 import torch
+from gact.integrations import DEFAULT_PROBE_SHARE, probe_rows
 
 from .data import default_data_root
 from .memory import MemoryMeter, live_tensor_peak, tune_malloc_for_measurement
@@ -45,6 +46,7 @@ __all__ = [
     "progress",
     "selected_epoch",
     "setup",
+    "sub_batch_probe",
     "write_json",
 ]
 
@@ -213,18 +215,14 @@ def progress(iterable: Iterable[T], args: argparse.Namespace, **kw: Any) -> Iter
     return tqdm(iterable, disable=disable, dynamic_ncols=True, leave=False, **kw)
 
 
-def default_probe_rows(rows: int) -> int:
-    """The examples' probe batch for a batch of ``rows``: a quarter of it, at least one row."""
-    return max(1, rows // 4)
-
-
-def probe_rows(
+def sub_batch_probe(
     args: argparse.Namespace, rows: int, closure: Callable[..., torch.Tensor]
 ) -> tuple[Callable[[], torch.Tensor], float] | None:
-    """``Run.step``'s ``probe``: ``closure(n)`` on the first ``n = --probe-batch`` rows of a
-    batch of ``rows`` (default: ``default_probe_rows``), or ``None`` when that is the whole
+    """``Run.step``'s ``probe``: ``closure(n)`` on the first ``n`` rows of a batch of ``rows``,
+    ``n`` being ``--probe-batch`` or by default what GACT's callbacks probe on
+    (``gact.integrations.probe_rows``: a quarter, at least 2); ``None`` when that is the whole
     batch."""
-    n = args.probe_batch or default_probe_rows(rows)
+    n = probe_rows(rows, args.probe_batch or DEFAULT_PROBE_SHARE)
     if n >= rows:
         return None
     return functools.partial(closure, n), n / rows
@@ -410,7 +408,7 @@ class Run:
                 loss.backward()
                 return loss
 
-            loss = self.step(closure, probe_rows(self.args, len(batch[0]), closure))
+            loss = self.step(closure, sub_batch_probe(self.args, len(batch[0]), closure))
             optimizer.step()
             scheduler.step()
             if (step + 1) % 25 == 0:

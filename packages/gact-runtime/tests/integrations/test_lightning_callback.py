@@ -131,11 +131,13 @@ def test_figures_are_logged_and_probes_do_not_log() -> None:
     )
 
 
-@pytest.mark.parametrize("rows", [None, 5])
-def test_probes_on_a_sub_batch(rows: int | None) -> None:
-    """``probe_batch_size``: the probes replay training_step on the batch's first rows (NOTE
-    [Sub-batch probes]); the real steps keep their whole batches."""
-    callback = GactCallback(GactConfig.from_level("L2", adapt_first_gap=0), probe_batch_size=rows)
+@pytest.mark.parametrize(("probe_batch_size", "rows"), [(None, 8), (5, 5), (0.5, 16), (1.0, BATCH)])
+def test_probes_on_a_sub_batch(probe_batch_size: int | float | None, rows: int) -> None:
+    """``probe_batch_size``: the probes replay training_step on the batch's first rows, a
+    quarter of them by default (NOTE [Sub-batch probes]); the real steps keep their whole
+    batches."""
+    options = {} if probe_batch_size is None else {"probe_batch_size": probe_batch_size}
+    callback = GactCallback(GactConfig.from_level("L2", adapt_first_gap=0), **options)
     module = _classifier(pl.LightningModule)
     seen: list[tuple[bool, int]] = []
     module.register_forward_pre_hook(
@@ -143,16 +145,15 @@ def test_probes_on_a_sub_batch(rows: int | None) -> None:
     )
     _fit(callback, module)
     assert callback.controller.stats()["adaptations"] == 1
-    probes = {n for probing, n in seen if probing}
-    assert probes == {BATCH if rows is None else rows}
+    assert {n for probing, n in seen if probing} == {rows}
     assert {n for probing, n in seen if not probing} == {BATCH}
     # the schedule predicts the first adaptation's cost from the probes' share of the batch
-    assert callback.controller._probe_fraction == (1.0 if rows is None else rows / BATCH)
+    assert callback.controller._probe_fraction == rows / BATCH
 
 
-def test_probe_batch_size_must_be_a_positive_integer() -> None:
-    for bad in (0, -2, 2.5, True):
-        with pytest.raises(ValueError, match="probe_batch_size must be a positive integer"):
+def test_probe_batch_size_must_be_rows_or_a_share() -> None:
+    for bad in (0, -2, 2.5, 0.0, True, "all", None):
+        with pytest.raises(ValueError, match="probe_batch_size must be a number of rows"):
             GactCallback("L2", probe_batch_size=bad)
 
 

@@ -121,11 +121,15 @@ def test_probes_use_the_trainers_loss(tmp_path: Path) -> None:
     assert len(calls) > 2  # one real micro-batch, then the probes: all through the Trainer's loss
 
 
-@pytest.mark.parametrize("rows", [None, 2])
-def test_probes_on_a_sub_batch(rows: int | None, tmp_path: Path) -> None:
-    """``probe_batch_size``: the probes replay training_step on the micro-batch's first rows
-    (NOTE [Sub-batch probes]); the real steps keep their whole micro-batches."""
-    callback = GactCallback(GactConfig.from_level("L2", adapt_first_gap=0), probe_batch_size=rows)
+@pytest.mark.parametrize(("probe_batch_size", "rows"), [(None, 2), (3, 3), (1.0, 4)])
+def test_probes_on_a_sub_batch(
+    probe_batch_size: int | float | None, rows: int, tmp_path: Path
+) -> None:
+    """``probe_batch_size``: the probes replay training_step on the micro-batch's first rows,
+    by default a quarter but at least 2 (NOTE [Sub-batch probes]); the real steps keep their
+    whole micro-batches."""
+    options = {} if probe_batch_size is None else {"probe_batch_size": probe_batch_size}
+    callback = GactCallback(GactConfig.from_level("L2", adapt_first_gap=0), **options)
     model = _model()
     seen: list[tuple[bool, int]] = []
     model.register_forward_pre_hook(
@@ -136,10 +140,10 @@ def test_probes_on_a_sub_batch(rows: int | None, tmp_path: Path) -> None:
     )
     _trainer(tmp_path, [callback], model=model, max_steps=1).train()
     assert callback.controller.stats()["adaptations"] == 1
-    assert {n for probing, n in seen if probing} == {4 if rows is None else rows}
+    assert {n for probing, n in seen if probing} == {rows}
     assert {n for probing, n in seen if not probing} == {4}
     # the schedule predicts the first adaptation's cost from the probes' share of the batch
-    assert callback.controller._probe_fraction == (1.0 if rows is None else rows / 4)
+    assert callback.controller._probe_fraction == rows / 4
 
 
 def test_bf16_autocast(tmp_path: Path) -> None:

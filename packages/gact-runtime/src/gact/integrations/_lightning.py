@@ -53,12 +53,16 @@ class LightningGact(CallbackBase):
 
     Args:
         config: a level name (``"L2"``) or a ``gact.GactConfig``.
-        probe_batch_size: probe on the first this many rows of the batch (``None``: all).
+        probe_batch_size: see ``CallbackBase``.
     """
 
     _STARTED_BY = "trainer.fit()"
 
-    def __init__(self, config: ConfigLike = "L2", probe_batch_size: int | None = None) -> None:
+    def __init__(
+        self,
+        config: ConfigLike = "L2",
+        probe_batch_size: int | float = _session.DEFAULT_PROBE_SHARE,
+    ) -> None:
         super().__init__(config, probe_batch_size)
         self._batch: tuple[Any, int] | None = None
         self._stepped = False

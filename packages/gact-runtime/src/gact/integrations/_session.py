@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import numbers
 from collections.abc import Iterator, Mapping
 from typing import Any, Callable, Union
@@ -15,16 +16,20 @@ from ..controller import Controller
 from ..errors import GactError
 
 __all__ = [
+    "DEFAULT_PROBE_SHARE",
     "CallbackBase",
     "ConfigLike",
     "IntegrationError",
     "TrainingSession",
+    "probe_rows",
     "resolve_config",
     "sub_batch",
     "sub_batch_fraction",
 ]
 
 ConfigLike = Union[str, GactConfig]
+#: The share of a batch that sensitivity probes replay by default (NOTE [Sub-batch probes]).
+DEFAULT_PROBE_SHARE = 0.25
 
 
 class IntegrationError(GactError):
@@ -137,30 +142,73 @@ class TrainingSession:
 
 # NOTE [Sub-batch probes]
 # A probe replays the step's last batch: forward and backward, a training step's cost, several
-# times per adaptation, which is what keeps most runs from affording one (gact_policy's
-# schedule charges adaptations against training time). ``probe_batch_size=n`` replays the
-# first ``n`` rows instead: every tensor of the batch (nested in lists, tuples and mappings)
-# whose first dimension is the batch's (the first tensor's) is cut to its first ``n`` rows, and
-# the controller is told the probes' share of the batch (``iterate(probe_fraction=...)``), from
-# which it predicts the first adaptation's cost (later ones are charged what they measured).
-# The estimators compare probes with each other, so the sensitivities keep their ranking;
-# their noise grows as the sub-batch shrinks, and a model whose statistics depend on the batch
-# (BatchNorm) is probed on a smaller one.
+# times per adaptation, which kept most runs from affording one (gact_policy's schedule charges
+# adaptations against training time). So probes replay the batch's first rows only: a quarter
+# of them by default (``DEFAULT_PROBE_SHARE``), at least 2 (BatchNorm in training needs two
+# samples per channel), or as many rows or such a share as ``probe_batch_size`` says (``1.0``:
+# the whole batch). Every tensor of the batch (nested in lists, tuples and mappings) whose first
+# dimension is the batch's (the first tensor's) is cut, and the controller is told the probes'
+# share of the batch (``iterate(probe_fraction=...)``), from which it predicts the first
+# adaptation's cost (later ones are charged what they measured). The tensors read linearly need
+# no probe at all (NOTE [Measured sensitivities]); the estimators compare probes with each
+# other, so the sensitivities keep their ranking, their noise grows as the sub-batch shrinks,
+# and a model whose statistics depend on the batch (BatchNorm) is probed on a smaller one.
 
 
-def sub_batch(batch: Any, size: int | None) -> Any:
-    """The first ``size`` rows of ``batch`` (NOTE [Sub-batch probes]); ``batch`` itself when
-    ``size`` is ``None``, not smaller than the batch, or the batch holds no tensor.
+def probe_rows(rows: int, probe_batch_size: int | float = DEFAULT_PROBE_SHARE) -> int:
+    """How many of a batch's ``rows`` the sensitivity probes replay (NOTE [Sub-batch probes]).
+
+    Args:
+        rows: the batch's rows (``>= 1``).
+        probe_batch_size: a number of rows (an int), or a share of the batch (a float in
+            ``(0, 1]``, rounded down, at least 2 rows).
+
+    Returns:
+        Between 1 and ``rows``.
+
+    Example::
+
+        >>> probe_rows(128), probe_rows(6), probe_rows(1), probe_rows(128, 1.0), probe_rows(8, 20)
+        (32, 2, 1, 128, 8)
+    """
+    if isinstance(probe_batch_size, float):
+        probe_batch_size = max(2, math.floor(probe_batch_size * rows))
+    return max(1, min(rows, probe_batch_size))
+
+
+def check_probe_batch_size(probe_batch_size: object) -> int | float:
+    """``probe_batch_size`` if it is a positive int or a float in ``(0, 1]``.
+
+    Raises:
+        ValueError: otherwise, with what to pass instead.
+    """
+    if isinstance(probe_batch_size, float):
+        ok = 0.0 < probe_batch_size <= 1.0
+    else:
+        ok = isinstance(probe_batch_size, int) and not isinstance(probe_batch_size, bool)
+        ok = ok and probe_batch_size >= 1  # type: ignore[operator]
+    if not ok:
+        raise ValueError(
+            "probe_batch_size must be a number of rows (an int >= 1) or a share of the batch "
+            f"(a float in (0, 1]; 1.0 probes the whole batch), got {probe_batch_size!r}"
+        )
+    return probe_batch_size  # type: ignore[return-value]
+
+
+def sub_batch(batch: Any, probe_batch_size: int | float = DEFAULT_PROBE_SHARE) -> Any:
+    """The rows of ``batch`` that the probes replay (NOTE [Sub-batch probes]); ``batch``
+    itself when that is all of it or the batch holds no tensor.
 
     Example::
 
         >>> batch = {"input_ids": torch.zeros(8, 5), "labels": torch.zeros(8, 5), "n": 3}
-        >>> {k: getattr(v, "shape", v) for k, v in sub_batch(batch, 2).items()}
+        >>> {k: getattr(v, "shape", v) for k, v in sub_batch(batch).items()}
         {'input_ids': torch.Size([2, 5]), 'labels': torch.Size([2, 5]), 'n': 3}
     """
-    rows = _rows_cut(batch, size)
-    if rows is None:
+    cut_rows = _cut(batch, probe_batch_size)
+    if cut_rows is None:
         return batch
+    rows, size = cut_rows
 
     def cut(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
@@ -180,19 +228,21 @@ def sub_batch(batch: Any, size: int | None) -> Any:
     return cut(batch)
 
 
-def sub_batch_fraction(batch: Any, size: int | None) -> float:
-    """The share of ``batch``'s rows that ``sub_batch(batch, size)`` keeps."""
-    rows = _rows_cut(batch, size)
-    return 1.0 if rows is None or size is None else size / rows
+def sub_batch_fraction(batch: Any, probe_batch_size: int | float = DEFAULT_PROBE_SHARE) -> float:
+    """The share of ``batch``'s rows that ``sub_batch(batch, probe_batch_size)`` keeps."""
+    cut_rows = _cut(batch, probe_batch_size)
+    return 1.0 if cut_rows is None else cut_rows[1] / cut_rows[0]
 
 
-def _rows_cut(batch: Any, size: int | None) -> int | None:
-    """The rows of ``batch`` (its first tensor's first dimension) if ``size`` cuts it, else
-    ``None``."""
+def _cut(batch: Any, probe_batch_size: int | float) -> tuple[int, int] | None:
+    """The rows of ``batch`` (its first tensor's first dimension) and the probes' rows, if
+    they are fewer; else ``None``."""
     first = _first_tensor(batch)
-    if size is None or first is None or first.dim() == 0 or size >= first.shape[0]:
+    if first is None or first.dim() == 0:
         return None
-    return first.shape[0]
+    rows = first.shape[0]
+    size = probe_rows(rows, probe_batch_size) if rows else rows
+    return (rows, size) if size < rows else None
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:
@@ -213,26 +263,21 @@ class CallbackBase:
 
     Args:
         config: a level name (``"L2"``) or a ``gact.GactConfig``.
-        probe_batch_size: probe on the first this many rows of the step's last batch (NOTE
-            [Sub-batch probes]); ``None``: the whole batch.
+        probe_batch_size: sensitivity probes replay the first this many rows of the step's last
+            batch (an int), or this share of them (a float in ``(0, 1]``; ``1.0``: all of it;
+            default a quarter, NOTE [Sub-batch probes]).
 
     Raises:
-        ValueError: ``probe_batch_size`` is not a positive integer.
+        ValueError: ``probe_batch_size`` is neither.
     """
 
     _STARTED_BY = "training"  # the call that starts training, for messages
 
-    def __init__(self, config: ConfigLike = "L2", probe_batch_size: int | None = None) -> None:
-        if probe_batch_size is not None and (
-            isinstance(probe_batch_size, bool)
-            or not isinstance(probe_batch_size, int)
-            or probe_batch_size < 1
-        ):
-            raise ValueError(
-                f"probe_batch_size must be a positive integer or None, got {probe_batch_size!r}"
-            )
+    def __init__(
+        self, config: ConfigLike = "L2", probe_batch_size: int | float = DEFAULT_PROBE_SHARE
+    ) -> None:
+        self.probe_batch_size = check_probe_batch_size(probe_batch_size)
         self.config = resolve_config(config)
-        self.probe_batch_size = probe_batch_size
         self._session: TrainingSession | None = None
 
     @property

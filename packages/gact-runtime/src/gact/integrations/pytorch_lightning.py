@@ -19,8 +19,9 @@ class GactCallback(LightningGact, Callback):
 
     Args:
         config: a level name (``"L2"``) or a ``gact.GactConfig``.
-        probe_batch_size: sensitivity probes replay only the first this many rows of the batch
-            (cheaper adaptations; ``None``: the whole batch).
+        probe_batch_size: sensitivity probes replay the first this many rows of the batch (an
+            int) or this share of them (a float in ``(0, 1]``; ``1.0``: all; default a quarter,
+            at least 2 rows): cheaper adaptations, noisier estimates.
 
     Example::
 

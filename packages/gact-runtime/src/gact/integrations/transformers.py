@@ -53,9 +53,9 @@ class _StepRecorder:
         args, kwargs = self.last
         return kwargs["inputs"] if "inputs" in kwargs else args[1] if len(args) > 1 else None
 
-    def probe(self, rows: int | None = None) -> None:
-        """Forward, loss and backward of the last micro-batch, as the Trainer runs them; of its
-        first ``rows`` rows if given (NOTE [Sub-batch probes] in _session.py)."""
+    def probe(self, probe_batch_size: int | float) -> None:
+        """Forward, loss and backward of the last micro-batch's rows that ``probe_batch_size``
+        names, as the Trainer runs them (NOTE [Sub-batch probes] in _session.py)."""
         if self.last is None:
             raise IntegrationError(
                 "GactCallback: an optimizer step ended before any training_step ran, so there is "
@@ -64,9 +64,9 @@ class _StepRecorder:
             )
         args, kwargs = self.last
         if "inputs" in kwargs:
-            kwargs = {**kwargs, "inputs": _session.sub_batch(kwargs["inputs"], rows)}
+            kwargs = {**kwargs, "inputs": _session.sub_batch(kwargs["inputs"], probe_batch_size)}
         elif len(args) > 1:  # training_step(model, inputs, ...)
-            args = (args[0], _session.sub_batch(args[1], rows), *args[2:])
+            args = (args[0], _session.sub_batch(args[1], probe_batch_size), *args[2:])
         self.original(*args, **kwargs)
 
 
@@ -108,9 +108,11 @@ class GactCallback(CallbackBase, TrainerCallback):
 
     Args:
         config: a level name (``"L2"``) or a ``gact.GactConfig``.
-        probe_batch_size: sensitivity probes replay only the first this many rows of the
-            micro-batch (cheaper adaptations; ``None``: all of it). A loss normalised by the
-            Trainer's ``num_items_in_batch`` is then scaled down, the same for every probe.
+        probe_batch_size: sensitivity probes replay the first this many rows of the
+            micro-batch (an int) or this share of them (a float in ``(0, 1]``; ``1.0``: all;
+            default a quarter, at least 2 rows): cheaper adaptations, noisier estimates. A loss
+            normalised by the Trainer's ``num_items_in_batch`` is then scaled down, the same for
+            every probe.
 
     Example::
 
@@ -133,7 +135,11 @@ class GactCallback(CallbackBase, TrainerCallback):
 
     _STARTED_BY = "trainer.train()"
 
-    def __init__(self, config: ConfigLike = "L2", probe_batch_size: int | None = None) -> None:
+    def __init__(
+        self,
+        config: ConfigLike = "L2",
+        probe_batch_size: int | float = _session.DEFAULT_PROBE_SHARE,
+    ) -> None:
         super().__init__(config, probe_batch_size)
         self._model: Any = None
         self._trainer: Trainer | None = None
