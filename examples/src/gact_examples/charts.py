@@ -116,7 +116,9 @@ def bar_chart(
         raise ValueError("bar_chart needs at least one panel")
     ncols = ncols or len(panels)
     nrows = math.ceil(len(panels) / ncols)
-    width = 4.6 * min(ncols, len(panels))
+    # about an inch per bar, so that two-line labels of seven bars do not run together
+    panel_width = max(4.6, 1.0 * max(len(p.labels) for p in panels))
+    width = panel_width * min(ncols, len(panels))
     notes_height = 0.9 if footnote else 0.0
     with plt.rc_context({"font.size": 12, "axes.titlesize": 12, "xtick.labelsize": 11}):
         fig, axes = plt.subplots(

@@ -77,13 +77,13 @@ def bits_label(level: str) -> str:
 
     Example:
         >>> [bits_label(lv) for lv in ("L0", "L1", "L2.2", "L2@L1")]
-        ['32 bit', '4 bit', 'adaptive, 2 bit avg', "adaptive, L1's bytes"]
+        ['32 bit', '4 bit', 'adaptive, 2 bit avg', 'adaptive, L1 bytes']
     """
     if level in (BASELINE, "fp32"):
         return "32 bit"
     name, uniform = split_level(level)
     if uniform is not None:
-        return f"adaptive, {uniform}'s bytes"
+        return f"adaptive, {uniform} bytes"
     spec = gact.LEVELS[name]
     text = f"{spec.bits} bit" if spec.bits is not None else f"adaptive, {spec.avg_bits:g} bit avg"
     return text + (" + swap" if spec.swap else "")
