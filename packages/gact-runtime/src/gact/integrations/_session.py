@@ -176,7 +176,7 @@ def probe_rows(rows: int, probe_batch_size: int | float = DEFAULT_PROBE_SHARE) -
     return max(1, min(rows, probe_batch_size))
 
 
-def check_probe_batch_size(probe_batch_size: object) -> int | float:
+def _check_probe_batch_size(probe_batch_size: object) -> int | float:
     """``probe_batch_size`` if it is a positive int or a float in ``(0, 1]``.
 
     Raises:
@@ -276,7 +276,7 @@ class CallbackBase:
     def __init__(
         self, config: ConfigLike = "L2", probe_batch_size: int | float = DEFAULT_PROBE_SHARE
     ) -> None:
-        self.probe_batch_size = check_probe_batch_size(probe_batch_size)
+        self.probe_batch_size = _check_probe_batch_size(probe_batch_size)
         self.config = resolve_config(config)
         self._session: TrainingSession | None = None
 
