@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 from gact_examples.bench import plots, tables
-from gact_examples.bench.specs import EXAMPLES, Plan, command_template
+from gact_examples.bench.specs import EXAMPLES, Plan, command_template, run_args
 
 LEVELS = ("L0", "L1", "L1.2", "L2", "L2.2")
 RATIO = {"L0": 1, "L1": 8, "L1.2": 16, "L2": 8, "L2.2": 16}
@@ -239,3 +239,14 @@ def test_one_seed_gives_no_verdict(matched):
     gcn = next(line for line in lines if line.startswith("| GCN"))
     assert "+0.00 pt | 1.00× | n/a |" in gcn and "±" not in gcn
     assert {c.met for c in checks} == {"n/a"}
+
+
+def test_run_args_of_a_matched_level_need_its_budget(plan):
+    text = BY_NAME["text"]
+    options = run_args(text, plan, "L2@L1", 0, "r.json", "train", 12345)
+    assert options[options.index("--level") + 1] == "L2"
+    assert options[options.index("--memory-budget") + 1] == "12345"
+    with pytest.raises(ValueError, match="stored bytes of its L1 run"):
+        run_args(text, plan, "L2@L1", 0, "r.json", "train")
+    with pytest.raises(ValueError, match="none: it runs as it is"):
+        run_args(text, plan, "L2", 0, "r.json", "train", 12345)

@@ -245,8 +245,8 @@ def run_args(
     """
     name, uniform = split_level(level)
     if (uniform is None) != (memory_budget is None):
-        need = "needs its uniform level's stored bytes" if uniform else "takes no"
-        raise ValueError(f"level {level!r} {need} memory_budget (got {memory_budget!r})")
+        need = f"the stored bytes of its {uniform} run" if uniform else "none: it runs as it is"
+        raise ValueError(f"level {level!r} takes memory_budget={need}, got {memory_budget!r}")
     if kind == "mem":
         base = [*(ex.mem or ()), "--get-mem"]
     else:

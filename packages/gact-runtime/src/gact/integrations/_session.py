@@ -241,7 +241,7 @@ def _cut(batch: Any, probe_batch_size: int | float) -> tuple[int, int] | None:
     if first is None or first.dim() == 0:
         return None
     rows = first.shape[0]
-    size = probe_rows(rows, probe_batch_size) if rows else rows
+    size = probe_rows(rows, probe_batch_size)
     return (rows, size) if size < rows else None
 
 
