@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from gact import ConfigError, Controller, GactConfig, GactWarning
 from gact.ledger import Kind
-from gact.saved import SavedCompressed
+from gact.saved import SavedCompressed, SaveHooks
 from models import make_case
 from runtime_helpers import grads_of, make_closure, record_saves
 from torch import nn
@@ -129,6 +129,39 @@ def test_probes_on_a_sub_batch_still_measure_small_tensors() -> None:
     # On the 4-row sub-batch these inputs have 256 and 512 elements, under min_numel; probes
     # still quantize them, so their estimates are real rather than a spurious zero.
     assert sens["fc1#0:float32:2d"] > 0 and sens["fc2#0:float32:2d"] > 0, sens
+
+
+def test_probes_store_each_key_at_the_width_they_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A probe on a sub-batch stores every key it names at the width it sets, even where the
+    sub-batch's maps are small (NOTE [Small maps] in decisions.py: 8 images of 8x8 hold 512
+    elements per channel, the training batch's 32 hold 2,048): the widths' lower bounds come
+    from the training step's saves, and a floor taken from the sub-batch would make the
+    estimator read a key's noise at one width as another's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1), nn.Flatten(), nn.Linear(8 * 64, 10),
+    )  # fmt: skip
+    x, y = torch.randn(32, 3, 8, 8), torch.randint(0, 10, (32,))
+    stored: list[tuple[int, int]] = []  # (width stored, width the probe set) per probed save
+    compress = SaveHooks._compress
+
+    def spy(self, key, tensor, compact, spec):  # type: ignore[no-untyped-def]
+        saved = compress(self, key, tensor, compact, spec)
+        known = getattr(saved, "known", None)
+        if self.plan.probes(key) and isinstance(known, gact_kernels.QuantizedTensor):
+            zero_exact = spec is not None and spec.zero_exact
+            stored.append((known.bits, max(self.plan.bits_for(key), 2 if zero_exact else 1)))
+        return saved
+
+    monkeypatch.setattr(SaveHooks, "_compress", spy)
+    cfg = GactConfig.from_level("L2", min_numel=0, adapt_first_gap=0)
+    with Controller(model, cfg) as controller:
+        controller.iterate(
+            make_closure(model, x, y), probe_closure=make_closure(model, x[:8], y[:8])
+        )
+    assert controller.stats()["adaptations"] >= 1
+    assert stored and all(b == want for b, want in stored), stored
 
 
 def test_a_failing_adaptation_still_closes_the_step() -> None:

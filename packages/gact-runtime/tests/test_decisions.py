@@ -325,26 +325,26 @@ def test_fused_attention_gradient_is_unbiased() -> None:
 
 
 @pytest.mark.parametrize(("level", "small", "large"), [("L1", 6, 4), ("L1.2", 4, 2), ("L2", 6, 4)])
-def test_batch_norm_inputs_of_small_maps_take_two_more_bits(
+def test_batch_norm_inputs_of_few_per_channel_take_two_more_bits(
     level: str, small: int, large: int
 ) -> None:
-    """NOTE [Attention and row normalisations]: BatchNorm on batch statistics with at most
-    ``BATCH_NORM_SMALL`` elements per channel (here 64 x 2 x 2 = 256) stores its input 2 bits
-    above the level's width; larger maps (64 x 16 x 16) and running statistics do not."""
-    key = "1#0:float32:4d"  # the BatchNorm's input
+    """NOTE [Small maps]: BatchNorm on batch statistics with at most ``SMALL_MAP`` elements per
+    channel stores its input 2 bits above the level's width at any rank (here BatchNorm1d on 64
+    rows; rank 4 is test_channel_groups.py's); 2,048 rows and running statistics do not."""
+    key = "1#0:float32:2d"  # the BatchNorm's input
     widths = {}
-    for size, train in ((2, True), (16, True), (2, False)):
+    for rows, train in ((64, True), (2048, True), (64, False)):
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU())
         model.train(train)
         with Controller(model, GactConfig.from_level(level, min_numel=0)) as controller:
             for _ in range(2):  # adaptive levels: the second step stores with the allocation
-                model(torch.randn(64, 8, size, size)).square().mean().backward()
+                model(torch.randn(rows, 8)).square().mean().backward()
                 controller.step()
         record = controller.ledger.last[key]
-        widths[size, train] = (record.bits, record.min_bits)
-    assert widths[2, True] == (small, small)
-    assert widths[16, True][1] == 0 and widths[2, False][1] == 0
+        widths[rows, train] = (record.bits, record.min_bits)
+    assert widths[64, True] == (small, small)
+    assert widths[2048, True][1] == 0 and widths[64, False][1] == 0
     if level != "L2":  # L2 allocates the other widths itself
-        assert widths[16, True][0] == widths[2, False][0] == large
-    assert decisions.BATCH_NORM_SMALL == 1024 and decisions.BATCH_NORM_EXTRA_BITS == 2
+        assert widths[2048, True][0] == widths[64, False][0] == large
+    assert decisions.SMALL_MAP == 1024 and decisions.SMALL_MAP_EXTRA_BITS == 2

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import decisions
 from .errors import GactWarning
 from .ledger import Kind, SiteRecord
 from .measured import SensitivityMeter
@@ -380,8 +381,9 @@ class Adapter:
             self._warned_budget = True
             warnings.warn(
                 f"{problem}; using the smallest widths (1 bit, 2 for ReLU outputs, 6 for the "
-                "queries and keys of fused attention, plus metadata and exact decision masks). Choose a "
-                "level with more bits or a larger budget.",
+                "queries and keys of fused attention, 2 above the level's width on maps of at most "
+                f"{decisions.SMALL_MAP} elements per channel, plus metadata and exact decision "
+                "masks). Choose a level with more bits or a larger budget.",
                 GactWarning,
                 stacklevel=4,
             )

@@ -94,17 +94,7 @@ __all__ = [
 #   minibatch variance) came from the first LayerNorm's input; with row groups no layer's
 #   rounding variance exceeds 9.3% of its minibatch variance (BENCHMARKS.md, "Stability").
 # - BatchNorm normalising by the batch's statistics reads its input through each channel's
-#   spread, and its backward carries that input's rounding error into every earlier layer's
-#   gradient. On small maps, where a channel has few elements per step (a CIFAR ResNet's 4x4,
-#   2x2 and 1x1 maps at batch 64: 1024, 256 and 64), that error dominated: on the ResNet-18
-#   layout after 150 steps at L1, rounding added up to 62% of the minibatch variance to a
-#   BatchNorm weight's gradient and 45% to a convolution's; with those inputs at 6 bits, 3.5%
-#   and 15% (at 5 bits 14% and 16%). The call's spec gives such inputs (at most
-#   ``BATCH_NORM_SMALL`` elements per channel) ``BATCH_NORM_EXTRA_BITS`` more than the level's
-#   width: 6 at L1, 4 at L1.2, and at adaptive levels their nominal width plus 2, paid from
-#   the budget like any floor. On that ResNet they are 17% of the quantized elements; over 300
-#   steps and 3 seeds its worst layer went from 121% to 27% (a convolution's: BatchNorm weights
-#   at most 11%), BENCHMARKS.md, "Stability".
+#   spread; on small maps its input takes 2 more bits (NOTE [Small maps]).
 
 
 # Autograd nodes whose backward branches on a saved tensor (class names without the trailing
@@ -192,7 +182,7 @@ class DecisionSpec:
             (NOTE [Attention and row normalisations]); 0 sets none.
         extra_bits: the saves of ``precise_ids`` take at least this many bits more than the
             level's width (its nominal width at adaptive levels), at most 8 (BatchNorm of
-            small maps: NOTE [Attention and row normalisations]); 0 adds none.
+            small maps: NOTE [Small maps]); 0 adds none.
         precise_ids: ``id()`` of the call's arguments that take ``min_bits`` and
             ``extra_bits`` when saved.
         exact_numel: saves made during the call with at most this many elements are kept
@@ -362,8 +352,47 @@ def _attention(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | No
     )
 
 
-BATCH_NORM_EXTRA_BITS = 2  # BatchNorm inputs of small maps: bits above the level's (NOTE above)
-BATCH_NORM_SMALL = 1024  # ... with at most this many elements per channel
+# NOTE [Small maps]
+# A channel with few elements per step (a CIFAR ResNet's 4x4, 2x2 and 1x1 maps at batch 64:
+# 1024, 256 and 64) is one group spanning the whole batch (NOTE [channel groups] in
+# gact_kernels/_layout.py), so its range is set by its most active sample; after some training
+# those channels are sparse (a median kurtosis of 13.6 over layer4's 1x1 channels of the
+# ResNet-18 layout at step 150, where a normal distribution has 3), and the other samples keep
+# few levels. Their rounding then dominates two kinds of gradient:
+# - BatchNorm on batch statistics reads its input through each channel's spread, and its
+#   backward carries that input's rounding into every earlier layer's gradient. On the ResNet-18
+#   layout after 150 steps at L1, rounding added up to 62% of the minibatch variance to a
+#   BatchNorm weight's gradient and 45% to a convolution's; with the BatchNorm inputs of maps of
+#   at most ``SMALL_MAP`` elements per channel at 6 bits, 3.5% and 15% (at 5 bits 14% and 16%).
+# - A convolution reads its input linearly into its weight's gradient, which the few active
+#   samples carry: with only the BatchNorm inputs at 6 bits, the convolutions of layer3 and
+#   layer4 (their inputs, ReLU outputs on 2x2 and 1x1 maps) kept 9-27% of their minibatch
+#   variance over 300 steps; with every save of those maps at 6 bits, at most 5% (2 seeds).
+# So every save of rank 4 or more with at most ``SMALL_MAP`` elements per channel (dimension 1),
+# and the input of a BatchNorm on batch statistics of any rank with as few, takes
+# ``SMALL_MAP_EXTRA_BITS`` more than the level's width: 6 at L1, 4 at L1.2, and at adaptive
+# levels their nominal width plus 2, paid from the budget like any floor (where the floors do
+# not fit the level's average, as on a toy CNN whose every map is small, the adapter warns and
+# stores every save at its floor). On the ResNet-18 layout at batch 64 that is every save of
+# layer2-4, 31% of the quantized elements (17% with the BatchNorm inputs alone): the stored
+# ratio at L1 goes from 7.03x to 6.66x. The examples' CNNs, whose maps hold 6,272 or more
+# elements per channel, are unchanged.
+SMALL_MAP = 1024  # elements per channel at most
+SMALL_MAP_EXTRA_BITS = 2  # bits above the level's
+
+
+def small_channels(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` (rank 2 or more) holds at most ``SMALL_MAP`` elements per channel
+    (dimension 1; NOTE [Small maps])."""
+    return tensor.numel() // max(tensor.shape[1], 1) <= SMALL_MAP
+
+
+def small_map_bits(tensor: torch.Tensor, nominal: int) -> int:
+    """The smallest width of a save of ``tensor`` at a level whose width is ``nominal`` that its
+    layout asks for: 2 more on small maps of rank 4 or more (NOTE [Small maps]), else 0."""
+    if tensor.dim() < 4 or not small_channels(tensor):
+        return 0
+    return min(8, nominal + SMALL_MAP_EXTRA_BITS)
 
 
 def _batch_norm(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
@@ -374,9 +403,9 @@ def _batch_norm(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | N
     # whenever it normalises by the batch's statistics)
     if not _arg(args, kwargs, 5, "training", False):
         return None  # running statistics: a fixed affine map of the input
-    if x.numel() // x.shape[1] > BATCH_NORM_SMALL:
+    if not small_channels(x):
         return None
-    return DecisionSpec(extra_bits=BATCH_NORM_EXTRA_BITS, precise_ids=frozenset({id(x)}))
+    return DecisionSpec(extra_bits=SMALL_MAP_EXTRA_BITS, precise_ids=frozenset({id(x)}))
 
 
 def _row_norm(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:

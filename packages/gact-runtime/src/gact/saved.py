@@ -680,8 +680,16 @@ class SaveHooks:
             zero_exact = spec is not None and spec.zero_exact
             if zero_exact:  # 2 zero-exact bits, not 1 bit and a mask (NOTE [Exact decisions])
                 bits = max(bits, 2)
-            floor = 0 if spec is None else spec.bits_floor(tensor, self.plan.default_bits)
-            bits = max(bits, floor)  # see NOTE [Attention and row normalisations]
+            nominal = self.plan.default_bits
+            if self.plan.probes(key):
+                # a probe's widths respect the lower bounds the step's own saves set; floors
+                # read off its sub-batch (small maps there, not in the step) would make the
+                # estimator take this key's noise at one width for another's
+                floor = 0
+            else:  # see NOTE [Attention and row normalisations] and NOTE [Small maps]
+                floor = 0 if spec is None else spec.bits_floor(tensor, nominal)
+                floor = max(floor, decisions.small_map_bits(data, nominal))
+            bits = max(bits, floor)
             plan = self.plan
             if plan.config.spec.adaptive and key not in plan.two_valued:
                 # first sight of the key: see NOTE [Two-valued tensors] in adapt.py
