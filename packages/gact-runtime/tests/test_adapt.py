@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import gact
 import gact_kernels
 import pytest
@@ -162,6 +164,31 @@ def test_probes_store_each_key_at_the_width_they_set(monkeypatch: pytest.MonkeyP
         )
     assert controller.stats()["adaptations"] >= 1
     assert stored and all(b == want for b, want in stored), stored
+
+
+@pytest.mark.parametrize("level", ["L2", "L2.2"])
+def test_adaptive_levels_keep_their_average_where_small_map_floors_do_not_fit(level: str) -> None:
+    """NOTE [Small maps] in decisions.py: a CNN whose every map is small (64 x 4 x 4 = 1,024
+    elements per channel) cannot store every save 2 bits above the level's width within its
+    average. The floors yield to the budget: the level's average holds (codes and metadata) and
+    nothing warns, as long as the hard lower bounds (2 bits for ReLU outputs) fit."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1)
+    )
+    x = torch.randn(64, 8, 4, 4)
+    cfg = GactConfig.from_level(level, min_numel=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GactWarning)
+        with Controller(model, cfg) as controller:
+            for _ in range(3):
+                model(x).square().mean().backward()
+                controller.step()
+    records = [r for r in controller.ledger.last.values() if r.kind is Kind.QUANTIZED]
+    assert len(records) == 3  # the input, the BatchNorm's input, the ReLU's output
+    assert all(r.preferred_bits == {"L2": 6, "L2.2": 4}[level] for r in records)
+    used = sum(r.numel * (r.bits + r.metadata_bits) for r in records)
+    assert used <= cfg.avg_bits * sum(r.numel for r in records)
 
 
 def test_a_failing_adaptation_still_closes_the_step() -> None:

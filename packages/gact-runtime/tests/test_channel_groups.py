@@ -92,7 +92,7 @@ def test_saves_of_small_maps_take_two_more_bits(level: str, small: int, large: i
             controller.step()
         quantized = [r for r in controller.ledger.last.values() if r.kind is Kind.QUANTIZED]
         assert len(quantized) == 2  # the input, and the ReLU's output (saved once, shared)
-        widths[size] = {(r.bits, r.min_bits) for r in quantized}
+        widths[size] = {(r.bits, r.preferred_bits) for r in quantized}
     assert widths == {2: {(small, small)}, 16: {(large, 0)}}
 
 

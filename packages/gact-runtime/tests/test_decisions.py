@@ -342,7 +342,7 @@ def test_batch_norm_inputs_of_few_per_channel_take_two_more_bits(
                 model(torch.randn(rows, 8)).square().mean().backward()
                 controller.step()
         record = controller.ledger.last[key]
-        widths[rows, train] = (record.bits, record.min_bits)
+        widths[rows, train] = (record.bits, record.preferred_bits)
     assert widths[64, True] == (small, small)
     assert widths[2048, True][1] == 0 and widths[64, False][1] == 0
     if level != "L2":  # L2 allocates the other widths itself

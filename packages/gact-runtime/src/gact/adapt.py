@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import decisions
 from .errors import GactWarning
 from .ledger import Kind, SiteRecord
 from .measured import SensitivityMeter
@@ -45,6 +44,8 @@ class Items:
             decisions] in decisions.py), the saving call's ``min_bits`` (6 for fused attention:
             NOTE [Attention and row normalisations]), else 1.
         pinned: 1 for two-valued items (NOTE [Two-valued tensors]), else 0 (free).
+        preferred: the width each item takes at least where the budget holds every item's
+            (``lower``, or 2 more on small maps: NOTE [Small maps] in decisions.py).
         fixed_bytes: bytes the step stores outside the items (kept tensors, masks, packs).
     """
 
@@ -54,6 +55,7 @@ class Items:
     overhead_bits: np.ndarray
     lower: np.ndarray
     pinned: np.ndarray
+    preferred: np.ndarray
     fixed_bytes: int
 
     @classmethod
@@ -70,6 +72,7 @@ class Items:
                 + (metadata_bits / 8 if r.table else 0.0),
                 max(2 if r.zero_exact else 1, r.min_bits),
                 1 if _two_valued(r, two_valued) else 0,
+                max(2 if r.zero_exact else 1, r.min_bits, r.preferred_bits),
             )
             for r in sites.values()
             if _quantizable(r)
@@ -87,6 +90,7 @@ class Items:
             overhead_bits=np.array([row[3] for row in rows], dtype=np.float64),
             lower=np.array([row[4] for row in rows], dtype=np.int64),
             pinned=np.array([row[5] for row in rows], dtype=np.int64),
+            preferred=np.array([row[6] for row in rows], dtype=np.int64),
             fixed_bytes=fixed,
         )
 
@@ -349,29 +353,32 @@ class Adapter:
         """Widths minimising the predicted variance within the level's average or the
         configuration's ``memory_budget`` (bytes, everything the step stores counted)."""
         cfg = self._plan.config
-        costs = dict(
-            full_bits=items.full_bits,
-            overhead_bits=items.overhead_bits,
-            lower=items.lower,
-            pinned=items.pinned,
-        )
-        least = gact_policy.min_storage_bits(items.numel, **costs)
         if cfg.memory_budget is None:
             assert cfg.avg_bits is not None
-            if least <= math.floor(cfg.avg_bits * int(items.numel.sum())):
-                return gact_policy.allocate_bits(sensitivity, items.numel, cfg.avg_bits, **costs)
+            budget_bits = math.floor(cfg.avg_bits * int(items.numel.sum()))
+            limit: dict[str, Any] = {"avg_bits": cfg.avg_bits}
+        else:
+            # 16 bytes per item cover the rounding up of the last group's metadata and of the
+            # decision masks to whole bytes, which the per-element costs leave out
+            budget = cfg.memory_budget - items.fixed_bytes - 16 * len(items.keys)
+            budget_bits, limit = 8 * budget, {"avg_bits": None, "budget_bytes": budget}
+        least = 0
+        for lower in (items.preferred, items.lower):  # preferred widths yield to the budget
+            costs = dict(
+                full_bits=items.full_bits,
+                overhead_bits=items.overhead_bits,
+                lower=lower,
+                pinned=items.pinned,
+            )
+            least = gact_policy.min_storage_bits(items.numel, **costs)
+            if least <= budget_bits:
+                return gact_policy.allocate_bits(sensitivity, items.numel, **limit, **costs)
+        if cfg.memory_budget is None:
             problem = (
                 f"level {cfg.level} averages {cfg.avg_bits} bits per element, but the smallest "
                 f"widths of this model's saved tensors need {least / items.numel.sum():.3g}"
             )
         else:
-            # 16 bytes per item cover the rounding up of the last group's metadata and of the
-            # decision masks to whole bytes, which the per-element costs leave out
-            budget = cfg.memory_budget - items.fixed_bytes - 16 * len(items.keys)
-            if least <= 8 * budget:
-                return gact_policy.allocate_bits(
-                    sensitivity, items.numel, None, budget_bytes=budget, **costs
-                )
             problem = (
                 f"memory_budget={cfg.memory_budget} bytes cannot hold the step's saved tensors "
                 f"even at their smallest widths (the tensors that cannot be quantized alone take "
@@ -381,9 +388,8 @@ class Adapter:
             self._warned_budget = True
             warnings.warn(
                 f"{problem}; using the smallest widths (1 bit, 2 for ReLU outputs, 6 for the "
-                "queries and keys of fused attention, 2 above the level's width on maps of at most "
-                f"{decisions.SMALL_MAP} elements per channel, plus metadata and exact decision "
-                "masks). Choose a level with more bits or a larger budget.",
+                "queries and keys of fused attention, plus metadata and exact decision masks). "
+                "Choose a level with more bits or a larger budget.",
                 GactWarning,
                 stacklevel=4,
             )

@@ -180,9 +180,9 @@ class DecisionSpec:
         derivative_id: ``id()`` of that argument.
         min_bits: the smallest width of the saves of the arguments named by ``precise_ids``
             (NOTE [Attention and row normalisations]); 0 sets none.
-        extra_bits: the saves of ``precise_ids`` take at least this many bits more than the
-            level's width (its nominal width at adaptive levels), at most 8 (BatchNorm of
-            small maps: NOTE [Small maps]); 0 adds none.
+        extra_bits: the saves of ``precise_ids`` prefer this many bits more than the level's
+            width (its nominal width at adaptive levels), at most 8, where the level affords
+            them (BatchNorm of small maps: NOTE [Small maps]); 0 adds none.
         precise_ids: ``id()`` of the call's arguments that take ``min_bits`` and
             ``extra_bits`` when saved.
         exact_numel: saves made during the call with at most this many elements are kept
@@ -228,12 +228,16 @@ class DecisionSpec:
             or self.extra_bits
         )
 
-    def bits_floor(self, tensor: torch.Tensor, nominal: int) -> int:
-        """The smallest width of a save of ``tensor`` made during the call, at a level whose
-        width is ``nominal``."""
-        if id(tensor) not in self.precise_ids:
+    def bits_floor(self, tensor: torch.Tensor) -> int:
+        """The smallest width of a save of ``tensor`` made during the call (0: none)."""
+        return self.min_bits if id(tensor) in self.precise_ids else 0
+
+    def preferred_bits(self, tensor: torch.Tensor, nominal: int) -> int:
+        """The width a save of ``tensor`` made during the call takes at least, where the level
+        (whose width is ``nominal``) affords it (0: none; NOTE [Small maps])."""
+        if not self.extra_bits or id(tensor) not in self.precise_ids:
             return 0
-        return max(self.min_bits, min(8, nominal + self.extra_bits) if self.extra_bits else 0)
+        return min(8, nominal + self.extra_bits)
 
     def shape_only(self, tensor: torch.Tensor) -> bool:
         """Whether a save of ``tensor`` made during the call is read only for its shape: one
@@ -370,10 +374,15 @@ def _attention(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | No
 #   variance over 300 steps; with every save of those maps at 6 bits, at most 5% (2 seeds).
 # So every save of rank 4 or more with at most ``SMALL_MAP`` elements per channel (dimension 1),
 # and the input of a BatchNorm on batch statistics of any rank with as few, takes
-# ``SMALL_MAP_EXTRA_BITS`` more than the level's width: 6 at L1, 4 at L1.2, and at adaptive
-# levels their nominal width plus 2, paid from the budget like any floor (where the floors do
-# not fit the level's average, as on a toy CNN whose every map is small, the adapter warns and
-# stores every save at its floor). On the ResNet-18 layout at batch 64 that is every save of
+# ``SMALL_MAP_EXTRA_BITS`` more than the level's width: 6 at L1, 4 at L1.2. At adaptive levels
+# that is a *preferred* width (``SiteRecord.preferred_bits``), not a floor like fused
+# attention's: the allocation gives those saves their nominal width plus 2 where the level's
+# average (or ``memory_budget``) holds it, and else allocates from the hard lower bounds alone
+# (2-bit ReLU outputs, attention's 6), keeping the budget, which is what an adaptive level
+# promises; ``SaveHooks._compress`` applies it only to saves the allocation has not placed.
+# It is extra precision against variance, not a correction of a bias, so it can yield (L2.2 on
+# the ResNet-18 layout below: the small maps alone would take 2.5 bits per element). On the
+# ResNet-18 layout at batch 64 that is every save of
 # layer2-4, 31% of the quantized elements (17% with the BatchNorm inputs alone): the stored
 # ratio at L1 goes from 7.03x to 6.66x. The examples' CNNs, whose maps hold 6,272 or more
 # elements per channel, are unchanged.
@@ -388,8 +397,8 @@ def small_channels(tensor: torch.Tensor) -> bool:
 
 
 def small_map_bits(tensor: torch.Tensor, nominal: int) -> int:
-    """The smallest width of a save of ``tensor`` at a level whose width is ``nominal`` that its
-    layout asks for: 2 more on small maps of rank 4 or more (NOTE [Small maps]), else 0."""
+    """The width a save of ``tensor`` takes at least, where a level whose width is ``nominal``
+    affords it: 2 more on small maps of rank 4 or more (NOTE [Small maps]), else 0."""
     if tensor.dim() < 4 or not small_channels(tensor):
         return 0
     return min(8, nominal + SMALL_MAP_EXTRA_BITS)

@@ -75,6 +75,8 @@ class SiteRecord:
     metadata_bits: float | None = None
     # the smallest width the saving call allows (NOTE [Attention and row normalisations])
     min_bits: int = 0
+    # the width the save takes where the level affords it (NOTE [Small maps] in decisions.py)
+    preferred_bits: int = 0
 
 
 @dataclass
@@ -98,6 +100,7 @@ class Ledger:
         table: bool = False,
         metadata_bits: float | None = None,
         min_bits: int = 0,
+        preferred_bits: int = 0,
     ) -> None:
         """Count one save of ``tensor`` at ``key``; ``stored_bytes`` is what GACT holds for
         it, ``None`` when it holds the tensor itself."""
@@ -113,6 +116,7 @@ class Ledger:
         rec.shape = tuple(tensor.shape)
         rec.zero_exact = zero_exact
         rec.min_bits = min_bits
+        rec.preferred_bits = preferred_bits
         rec.table = rec.table or table
         if metadata_bits is not None:
             rec.metadata_bits = metadata_bits

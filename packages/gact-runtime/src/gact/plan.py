@@ -89,6 +89,11 @@ class BitPlan:
         probe on a smaller sub-batch still measures it)."""
         return self.probe is not None and key in self.probe.index
 
+    def allocated(self, key: str) -> bool:
+        """Whether an adaptive level's allocation placed ``key`` (weighing its preferred width
+        against the budget: NOTE [Small maps] in decisions.py)."""
+        return self.config.bits is None and self.probe is None and key in self.bits
+
     def bits_for(self, key: str) -> int | None:
         """Bit width for ``key``; ``None`` keeps the tensor at full precision."""
         if self.probe is not None:

@@ -662,7 +662,7 @@ class SaveHooks:
     ) -> Saved:
         group_size = self.plan.config.group_size
         zero_exact = False
-        floor = 0  # the saving call's smallest width for it
+        floor = preferred = 0  # the saving call's smallest width for it, and its preferred one
         view_to: torch.Size | None = None
         table: pointwise.DerivativeTable | None = None
         # a GELU/SiLU input: the allocation counts a table's group header for it (see Items.of)
@@ -685,11 +685,14 @@ class SaveHooks:
                 # a probe's widths respect the lower bounds the step's own saves set; floors
                 # read off its sub-batch (small maps there, not in the step) would make the
                 # estimator take this key's noise at one width for another's
-                floor = 0
+                floor = preferred = 0
             else:  # see NOTE [Attention and row normalisations] and NOTE [Small maps]
-                floor = 0 if spec is None else spec.bits_floor(tensor, nominal)
-                floor = max(floor, decisions.small_map_bits(data, nominal))
-            bits = max(bits, floor)
+                floor = 0 if spec is None else spec.bits_floor(tensor)
+                preferred = max(
+                    0 if spec is None else spec.preferred_bits(tensor, nominal),
+                    decisions.small_map_bits(data, nominal),
+                )
+            bits = max(bits, floor, 0 if self.plan.allocated(key) else preferred)
             plan = self.plan
             if plan.config.spec.adaptive and key not in plan.two_valued:
                 # first sight of the key: see NOTE [Two-valued tensors] in adapt.py
@@ -725,6 +728,7 @@ class SaveHooks:
             key, tensor, kind, bits, nbytes, zero_exact=zero_exact, table=candidate,
             metadata_bits=_metadata_bits(held, nbytes) if quantized else None,
             min_bits=floor if quantized else 0,
+            preferred_bits=preferred if quantized else 0,
         )  # fmt: skip
         if saved.pending:  # see NOTE [Pending saves]
             self.pending.append(saved)
