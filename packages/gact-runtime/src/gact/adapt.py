@@ -200,8 +200,11 @@ class Adapter:
         previous = [plan.sensitivity.get(k, float(e)) for k, e in zip(items.keys, value)]
         sensitivity = gact_policy.smooth(previous, value, cfg.sensitivity_momentum)
         pins = items.pinned.copy()  # held items keep their widths (NOTE [Held tensors])
-        current = [plan.bits.get(items.keys[i], plan.default_bits) for i in held]
-        pins[held] = np.maximum(current, items.lower[held])  # a new key's default may be lower
+        # the width each held item was stored at: its allocation's, or for a key no
+        # allocation placed yet, the default raised to its preferred width (SaveHooks._compress)
+        default = np.maximum(plan.default_bits, items.preferred)
+        current = [plan.bits.get(items.keys[i], int(default[i])) for i in held]
+        pins[held] = np.maximum(current, items.lower[held])
         bits = self._allocate(dataclasses.replace(items, pinned=pins), sensitivity)
         plan.bits = {k: int(b) for k, b in zip(items.keys, bits)}
         moved = np.setdiff1d(np.arange(len(items.keys)), held)

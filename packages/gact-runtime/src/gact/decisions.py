@@ -370,22 +370,23 @@ def _attention(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | No
 #   at most ``SMALL_MAP`` elements per channel at 6 bits, 3.5% and 15% (at 5 bits 14% and 16%).
 # - A convolution reads its input linearly into its weight's gradient, which the few active
 #   samples carry: with only the BatchNorm inputs at 6 bits, the convolutions of layer3 and
-#   layer4 (their inputs, ReLU outputs on 2x2 and 1x1 maps) kept 9-27% of their minibatch
-#   variance over 300 steps; with every save of those maps at 6 bits, at most 5% (2 seeds).
+#   layer4 (their inputs are ReLU outputs on 2x2 and 1x1 maps) kept 9-27% of their minibatch
+#   variance over 300 steps.
 # So every save of rank 4 or more with at most ``SMALL_MAP`` elements per channel (dimension 1),
 # and the input of a BatchNorm on batch statistics of any rank with as few, takes
-# ``SMALL_MAP_EXTRA_BITS`` more than the level's width: 6 at L1, 4 at L1.2. At adaptive levels
-# that is a *preferred* width (``SiteRecord.preferred_bits``), not a floor like fused
-# attention's: the allocation gives those saves their nominal width plus 2 where the level's
-# average (or ``memory_budget``) holds it, and else allocates from the hard lower bounds alone
-# (2-bit ReLU outputs, attention's 6), keeping the budget, which is what an adaptive level
-# promises; ``SaveHooks._compress`` applies it only to saves the allocation has not placed.
-# It is extra precision against variance, not a correction of a bias, so it can yield (L2.2 on
-# the ResNet-18 layout below: the small maps alone would take 2.5 bits per element). On the
-# ResNet-18 layout at batch 64 that is every save of
-# layer2-4, 31% of the quantized elements (17% with the BatchNorm inputs alone): the stored
-# ratio at L1 goes from 7.03x to 6.66x. The examples' CNNs, whose maps hold 6,272 or more
-# elements per channel, are unchanged.
+# ``SMALL_MAP_EXTRA_BITS`` more than the level's width: 6 at L1, 4 at L1.2. Over 300 steps and 3
+# seeds, rounding at L1 then adds at most 5.4% of the minibatch variance to any layer's
+# gradient of that ResNet (BENCHMARKS.md, "Stability"). The rule covers 31% of its quantized
+# elements at batch 64 (layer2-4; 17% with the BatchNorm inputs alone): L1 stores 6.66x less
+# instead of 7.03x. The examples' CNNs, whose maps hold 6,272 or more elements per channel at
+# their batch size, are unchanged.
+# At adaptive levels the extra bits are a *preferred* width (``SiteRecord.preferred_bits``),
+# not a floor like fused attention's 6 bits: they reduce variance, not a bias, and an adaptive
+# level promises its budget. The allocation gives those saves their nominal width plus 2 where
+# the level's average (or ``memory_budget``) holds every preferred width, and otherwise
+# allocates from the hard lower bounds alone (L2.2 on that ResNet: the preferred widths would
+# take 2.5 bits per element); ``SaveHooks._compress`` applies a preferred width only to the
+# saves no allocation has placed yet.
 SMALL_MAP = 1024  # elements per channel at most
 SMALL_MAP_EXTRA_BITS = 2  # bits above the level's
 
