@@ -40,6 +40,19 @@ def _norm_weight_grads(
     and a loss projection (a loss that depends on the input) of ``shapes``."""
     gen = torch.Generator().manual_seed(1)
     x, project = (torch.randn(*shape, generator=gen) for shape in shapes)
+    return _weight_grads(model, norm, x, project, config, seeds)
+
+
+def _weight_grads(
+    model: nn.Module,
+    layer: nn.Module,
+    x: torch.Tensor,
+    project: torch.Tensor,
+    config: GactConfig | None,
+    seeds: range,
+) -> torch.Tensor:
+    """``layer``'s weight gradients of the loss ``(model(x) * project).sum()``, one row per
+    rounding seed (one row for fp32)."""
     rows = []
     for seed in seeds:
         model.zero_grad()
@@ -48,7 +61,7 @@ def _norm_weight_grads(
         else:
             with Controller(model, config.replace(seed=seed)):
                 (model(x) * project).sum().backward()
-        rows.append(norm.weight.grad.clone())
+        rows.append(layer.weight.grad.clone())
     return torch.stack(rows)
 
 
@@ -109,16 +122,7 @@ def _sparse_conv_weight_grads(config: GactConfig | None, seeds: range) -> torch.
         .mul(torch.rand(64, CHANNELS, 1, 1, generator=gen).pow(-0.5))
     )  # about 16% positive, their scale heavy-tailed
     project = torch.randn(64, 32, 1, 1, generator=gen)
-    rows = []
-    for seed in seeds:
-        model.zero_grad()
-        if config is None:
-            (model(x) * project).sum().backward()
-        else:
-            with Controller(model, config.replace(seed=seed)):
-                (model(x) * project).sum().backward()
-        rows.append(model[1].weight.grad.clone())
-    return torch.stack(rows)
+    return _weight_grads(model, model[1], x, project, config, seeds)
 
 
 @pytest.mark.parametrize(("level", "bound"), [("L1", 0.033), ("L1.2", 0.145)])
