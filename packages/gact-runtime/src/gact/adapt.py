@@ -72,7 +72,7 @@ class Items:
                 + (metadata_bits / 8 if r.table else 0.0),
                 max(2 if r.zero_exact else 1, r.min_bits),
                 1 if _two_valued(r, two_valued) else 0,
-                max(2 if r.zero_exact else 1, r.min_bits, r.preferred_bits),
+                r.preferred_bits,
             )
             for r in sites.values()
             if _quantizable(r)
@@ -83,14 +83,15 @@ class Items:
             if r.kind is not Kind.PARAMETER and not _quantizable(r)
         )
         rows, fixed = rank_zeros((rows, fixed))
+        lower = np.array([row[4] for row in rows], dtype=np.int64)
         return cls(
             keys=[row[0] for row in rows],
             numel=np.array([row[1] for row in rows], dtype=np.int64),
             full_bits=np.array([row[2] for row in rows], dtype=np.int64),
             overhead_bits=np.array([row[3] for row in rows], dtype=np.float64),
-            lower=np.array([row[4] for row in rows], dtype=np.int64),
+            lower=lower,
             pinned=np.array([row[5] for row in rows], dtype=np.int64),
-            preferred=np.array([row[6] for row in rows], dtype=np.int64),
+            preferred=np.maximum(lower, np.array([row[6] for row in rows], dtype=np.int64)),
             fixed_bytes=fixed,
         )
 
