@@ -42,7 +42,9 @@ def check_tensor(x: object, name: str, dtypes: Collection[torch.dtype]) -> torch
         )
     if x.dtype not in dtypes:
         raise ValueError(f"{name}: dtype {x.dtype} is not supported; accepted: {_names(dtypes)}")
-    require_device(x.device, name)
+    device = x.device
+    if device.type != "cpu":
+        require_device(device, name)
     return x
 
 
@@ -58,6 +60,8 @@ def integer(value: object, name: str) -> int:
 
 def check_bits(bits: object, name: str = "bits") -> int:
     """Returns ``bits`` as an int in 1..8."""
+    if type(bits) is int and 1 <= bits <= 8:  # the common case first: every save checks
+        return bits
     bits = integer(bits, name)
     if not 1 <= bits <= 8:
         raise ValueError(f"{name} must be one of 1, 2, 3, 4, 5, 6, 7, 8; got {bits}")
@@ -90,7 +94,8 @@ def check_channel_dim(channel_dim: object, ndim: int, name: str = "channel_dim")
 
 def check_group_size(group_size: object, name: str = "group_size") -> int:
     """Returns ``group_size`` as an int: a multiple of 8 in [8, 65536]."""
-    group_size = integer(group_size, name)
+    if type(group_size) is not int:
+        group_size = integer(group_size, name)
     if group_size <= 0 or group_size % 8 or group_size > MAX_GROUP_SIZE:
         raise ValueError(
             f"{name} must be a multiple of 8 between 8 and {MAX_GROUP_SIZE} "
@@ -101,6 +106,8 @@ def check_group_size(group_size: object, name: str = "group_size") -> int:
 
 def check_seed(seed: object, name: str = "seed") -> int:
     """Returns ``seed`` as an int in [0, 2**64)."""
+    if type(seed) is int and 0 <= seed < 1 << 64:
+        return seed
     seed = integer(seed, name)
     if not 0 <= seed < 1 << 64:
         raise ValueError(f"{name} must be an int in [0, 2**64); got {seed}")

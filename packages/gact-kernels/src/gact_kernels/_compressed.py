@@ -22,9 +22,11 @@ C = TypeVar("C", bound="Compressed")
 # hundreds); tests/test_containers.py validates every container they return. The checks read
 # metadata only (dtype, shape, device, contiguity), never tensor values: a container may be
 # built around buffers whose asynchronous copy is still in flight. The
-# buffers themselves stay mutable tensors, so the restoring function re-checks their shapes
-# before any address reaches the kernels, and the kernels never read or write out of bounds
-# whatever the values (lossless group indices are clamped, integer widths bounded).
+# buffers themselves stay mutable tensors, so the restoring function re-checks the shapes of
+# those whose addresses reach the kernels before every call (a quantized container's lossless
+# buffers, read by torch indexing alone, only where there are lossless groups), and the kernels
+# never read or write out of bounds whatever the values (lossless group indices are clamped,
+# integer widths bounded).
 
 
 def _move(t: torch.Tensor, device: torch.device, non_blocking: bool, pin: bool) -> torch.Tensor:

@@ -113,7 +113,7 @@ class QuantizedTensor(Compressed):
     @property
     def numel(self) -> int:
         """Number of elements of the original tensor."""
-        return math.prod(self.shape)
+        return self.shape.numel()
 
     @property
     def stored_numel(self) -> int:
@@ -141,18 +141,30 @@ class QuantizedTensor(Compressed):
         self._check_buffers()
 
     def _check_buffers(self) -> None:
-        n, g = self.stored_numel, self.group_size
-        groups = -(-n // g)
-        lossless = self.lossless_groups
-        k = lossless.shape[0] if isinstance(lossless, torch.Tensor) and lossless.dim() else 0
+        self._check_codes()
+        self._check_lossless()
+
+    def _check_codes(self) -> None:
+        """Check the buffers whose addresses reach the kernels: codes, ``lo``, ``scale``."""
+        n = self.stored_numel
+        groups = -(-n // self.group_size)
         device = getattr(self.data, "device", None)
         code_bytes = (n * self.bits + 7) // 8
         check_buffer(self.data, "QuantizedTensor.data", torch.uint8, (code_bytes,), device)
         check_buffer(self.lo, "QuantizedTensor.lo", torch.float32, (groups,), device)
         check_buffer(self.scale, "QuantizedTensor.scale", torch.float32, (groups,), device)
+
+    def _check_lossless(self) -> None:
+        lossless = self.lossless_groups
+        k = lossless.shape[0] if isinstance(lossless, torch.Tensor) and lossless.dim() else 0
+        device = getattr(self.data, "device", None)
         check_buffer(lossless, "QuantizedTensor.lossless_groups", torch.int64, (k,), device)
         check_buffer(
-            self.lossless_values, "QuantizedTensor.lossless_values", self.dtype, (k, g), device
+            self.lossless_values,
+            "QuantizedTensor.lossless_values",
+            self.dtype,
+            (k, self.group_size),
+            device,
         )
 
     def _decompress(self) -> torch.Tensor:
@@ -276,6 +288,7 @@ def quantize_async(
     seed = check_seed(seed)
     zero_exact = check_zero_exact(zero_exact, bits)
     x = x.detach()
+    device = x.device
     if channel_dim is not None:
         channel_dim = check_channel_dim(channel_dim, x.dim())
         plane = plane_group(math.prod(x.shape[channel_dim + 1 :]), group_size)
@@ -290,33 +303,33 @@ def quantize_async(
     else:
         group_size, padded = channel_grouping(x.shape, channel_dim, group_size)
         stride = restore_stride(x)
-        if x.device.type == "cpu":
+        if device.type == "cpu":
             runs = channel_runs(x, channel_dim, padded)
         flat = x if runs is not None else to_channel_runs(x, channel_dim, group_size)
         n = x.shape[channel_dim] * padded
     groups = -(-n // group_size)
-    data = torch.empty((n * bits + 7) // 8, dtype=torch.uint8, device=x.device)
-    lo = torch.empty(groups, dtype=torch.float32, device=x.device)
-    scale = torch.empty(groups, dtype=torch.float32, device=x.device)
+    data = torch.empty((n * bits + 7) // 8, dtype=torch.uint8, device=device)
+    lo = torch.empty(groups, dtype=torch.float32, device=device)
+    scale = torch.empty(groups, dtype=torch.float32, device=device)
     code = DTYPE_CODES[x.dtype]
     q = QuantizedTensor._built(
         data=data, lo=lo, scale=scale, bits=bits, group_size=group_size, seed=seed,
         shape=x.shape, stride=stride, dtype=x.dtype, zero_exact=zero_exact,
-        channel_dim=channel_dim, **_no_lossless(x.device, x.dtype, group_size),
+        channel_dim=channel_dim, **_no_lossless(device, x.dtype, group_size),
     )  # fmt: skip
-    if x.device.type == "cuda":
+    if device.type == "cuda":
         return _enqueue(q, flat, code, n)
     found = 0
     if runs is not None:
         found = launch(
-            "quantize_runs", x.device, x.data_ptr(), code, *runs, group_size, bits, seed,
+            "quantize_runs", device, x.data_ptr(), code, *runs, group_size, bits, seed,
             zero_exact, data.data_ptr(), lo.data_ptr(), scale.data_ptr(),
         )  # fmt: skip
         if found:  # rare (NaN/Inf): the lossless groups are gathered from the block
             flat = to_channel_runs(x, channel_dim, group_size)
     elif n:
         found = launch(
-            "quantize", x.device, flat.data_ptr(), code, n, group_size, bits, seed, zero_exact,
+            "quantize", device, flat.data_ptr(), code, n, group_size, bits, seed, zero_exact,
             data.data_ptr(), lo.data_ptr(), scale.data_ptr(),
         )  # fmt: skip
     if found:
@@ -416,9 +429,13 @@ def dequantize(q: QuantizedTensor) -> torch.Tensor:
     """
     if not isinstance(q, QuantizedTensor):
         raise TypeError(f"q must be a QuantizedTensor, got {type(q).__name__}")
-    q._check_buffers()
+    # The lossless buffers are read by torch indexing only, so they are checked (for a clear
+    # message) only where there is something to read (NOTE [container invariants]).
+    q._check_codes()
+    lossless = not isinstance(q.lossless_groups, torch.Tensor) or q.lossless_groups.numel() > 0
+    if lossless:
+        q._check_lossless()
     out = empty_with_layout(q.shape, q.stride, q.dtype, q.device)
-    lossless = q.lossless_groups.numel() > 0
     if q.channel_dim is not None and q.device.type == "cpu" and not lossless:
         channels = q.shape[q.channel_dim]
         runs = channel_runs(out, q.channel_dim, q.stored_numel // channels)
@@ -430,7 +447,7 @@ def dequantize(q: QuantizedTensor) -> torch.Tensor:
             )  # fmt: skip
             return out
     if q.channel_dim is None:
-        flat = flat_view(out)
+        flat = out  # dense (its strides were checked to be): its address starts the block
     else:
         flat = torch.empty(q.stored_numel, dtype=q.dtype, device=q.device)
     n = flat.numel()
@@ -440,6 +457,8 @@ def dequantize(q: QuantizedTensor) -> torch.Tensor:
             q.group_size, q.bits, q.seed, q.zero_exact, DTYPE_CODES[q.dtype], flat.data_ptr(),
         )  # fmt: skip
     if lossless:
+        if q.channel_dim is None:
+            flat = flat_view(out)
         flat[element_index(q.lossless_groups, q.group_size, n)] = q.lossless_values
     if q.channel_dim is not None:
         from_channel_runs(flat, out, q.channel_dim)
