@@ -11,6 +11,7 @@ derivative table (NOTE [Derivative tables] in pointwise.py).
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import weakref
@@ -700,7 +701,12 @@ class Decision:
 
 def representable(spec: DecisionSpec, dtype: torch.dtype) -> bool:
     """Whether every threshold of ``spec`` is exactly a value of ``dtype`` (else keep exact)."""
-    return all(torch.tensor(t, dtype=dtype).item() == t for _, t in spec.predicates)
+    return all(_representable(t, dtype) for _, t in spec.predicates)
+
+
+@functools.cache
+def _representable(threshold: float, dtype: torch.dtype) -> bool:
+    return torch.tensor(threshold, dtype=dtype).item() == threshold  # once per (t, dtype)
 
 
 class DecisionMode(TorchFunctionMode):

@@ -39,6 +39,8 @@ _COMPRESSED = (Kind.QUANTIZED, Kind.MASK, Kind.PACKED, Kind.SHAPE)
 def occupied_bytes(tensor: torch.Tensor) -> int:
     """Bytes ``tensor`` occupies (see NOTE [Ledger])."""
     layout = tensor.layout
+    if layout is torch.strided and tensor.is_contiguous():  # its elements are distinct
+        return tensor.nbytes
     if layout is torch.sparse_coo:
         return occupied_bytes(tensor._indices()) + occupied_bytes(tensor._values())
     if layout in (torch.sparse_csr, torch.sparse_bsr):
@@ -105,15 +107,16 @@ class Ledger:
         """Count one save of ``tensor`` at ``key``; ``stored_bytes`` is what GACT holds for
         it, ``None`` when it holds the tensor itself."""
         rec = self.current.get(key)
+        shape = tuple(tensor.shape)
         if rec is None or rec.kind is not kind or rec.bits != bits:
             prior = rec
-            rec = SiteRecord(key, kind, tuple(tensor.shape), tensor.dtype, bits)
+            rec = SiteRecord(key, kind, shape, tensor.dtype, bits)
             if prior is not None:  # the same site changed treatment within a step: keep totals
                 rec.count, rec.numel = prior.count, prior.numel
                 rec.original_bytes, rec.stored_bytes = prior.original_bytes, prior.stored_bytes
                 rec.mask_bits, rec.mask_bytes = prior.mask_bits, prior.mask_bytes
             self.current[key] = rec
-        rec.shape = tuple(tensor.shape)
+        rec.shape = shape
         rec.zero_exact = zero_exact
         rec.min_bits = min_bits
         rec.preferred_bits = preferred_bits

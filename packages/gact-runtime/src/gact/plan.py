@@ -23,9 +23,13 @@ MAX_BITS = 8
 # does not, and it is reproducible across processes (the key hash is blake2b, not ``hash()``).
 # While sensitivities are probed, the seeds come from the probe's configuration instead, so two
 # probes differ only in the items whose seeds the estimator changed.
-def mix_seed(*parts: int) -> int:
-    """Fold integers into one 64-bit seed with the splitmix64 finaliser."""
-    h = 0x9E3779B97F4A7C15
+_SEED_START = 0x9E3779B97F4A7C15
+
+
+def mix_seed(*parts: int, start: int = _SEED_START) -> int:
+    """Fold integers into one 64-bit seed with the splitmix64 finaliser; ``start``: the seed
+    of the parts before (``mix_seed(a, b, c) == mix_seed(c, start=mix_seed(a, b))``)."""
+    h = start
     for part in parts:
         h = (h ^ (part & _MASK64)) * 0xBF58476D1CE4E5B9 & _MASK64
         h = (h ^ (h >> 31)) * 0x94D049BB133111EB & _MASK64
@@ -73,16 +77,28 @@ class BitPlan:
         # tensors] in adapt.py): 1 bit stores such tensors exactly
         self.two_valued: dict[str, bool] = {}
         self._hashes: dict[str, int] = {}
+        self._step_seed = (-1, 0, 0)  # (step, base seed, mix_seed(base seed, step))
+
+    @property
+    def config(self) -> GactConfig:
+        return self._config
+
+    @config.setter
+    def config(self, config: GactConfig) -> None:
+        # what every save reads of the configuration, computed once per configuration
+        self._config = config
+        self._fixed_bits = config.bits
+        self._default_bits = config.bits
+        if config.bits is None and config.avg_bits is not None:  # an adaptive level
+            excess = config.avg_bits - config.overhead_bits
+            self._default_bits = max(1, min(MAX_BITS, math.ceil(excess)))
 
     @property
     def default_bits(self) -> int:
         """Bits of keys not yet allocated: the level's width, or its average net of metadata
         rounded up (NOTE [Prior allocation] in adapt.py)."""
-        cfg = self.config
-        if cfg.bits is not None:
-            return cfg.bits
-        assert cfg.avg_bits is not None
-        return max(1, min(MAX_BITS, math.ceil(cfg.avg_bits - cfg.overhead_bits)))
+        assert self._default_bits is not None, "a level that compresses nothing has no width"
+        return self._default_bits
 
     def probes(self, key: str) -> bool:
         """Whether a running probe names ``key`` (it is then compressed whatever its size, so a
@@ -92,15 +108,15 @@ class BitPlan:
     def allocated(self, key: str) -> bool:
         """Whether an adaptive level's allocation placed ``key`` (weighing its preferred width
         against the budget: NOTE [Small maps] in decisions.py)."""
-        return self.config.bits is None and self.probe is None and key in self.bits
+        return self._fixed_bits is None and self.probe is None and key in self.bits
 
     def bits_for(self, key: str) -> int | None:
         """Bit width for ``key``; ``None`` keeps the tensor at full precision."""
         if self.probe is not None:
             i = self.probe.index.get(key)
             bits = self.default_bits if i is None else int(self.probe.bits[i])
-        elif self.config.bits is not None:
-            bits = self.config.bits
+        elif self._fixed_bits is not None:
+            bits = self._fixed_bits
         else:
             bits = self.bits.get(key, self.default_bits)
         return bits if bits <= MAX_BITS else None
@@ -118,4 +134,9 @@ class BitPlan:
             i = self.probe.index.get(key)
             base = self.probe.fallback_seed if i is None else int(self.probe.seeds[i])
             return mix_seed(base, self.key_hash(key), occurrence)
-        return mix_seed(self.config.seed, self.step, self.key_hash(key), occurrence)
+        step, base, start = self._step_seed
+        if step != self.step or base != self.config.seed:  # once per step: saves are many
+            step, base = self.step, self.config.seed
+            start = mix_seed(base, step)
+            self._step_seed = (step, base, start)
+        return mix_seed(self.key_hash(key), occurrence, start=start)

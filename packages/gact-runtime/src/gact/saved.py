@@ -823,10 +823,10 @@ def _two_valued(data: torch.Tensor) -> bool:
 def _compact(tensor: torch.Tensor) -> torch.Tensor | None:
     """The base of an expanded view (its stride-0 dimensions of size > 1 collapsed to size 1),
     or ``None`` if ``tensor`` repeats no elements that way."""
+    if tensor.layout is not torch.strided or tensor.is_contiguous():  # no stride-0 repeats
+        return None
     sizes, strides = tensor.shape, tensor.stride()
-    if tensor.layout is not torch.strided or not any(
-        st == 0 and sz > 1 for sz, st in zip(sizes, strides)
-    ):
+    if not any(st == 0 and sz > 1 for sz, st in zip(sizes, strides)):
         return None
     shape = [1 if st == 0 else sz for sz, st in zip(sizes, strides)]
     return tensor.as_strided(shape, strides, tensor.storage_offset())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import sys
@@ -230,5 +231,10 @@ class ScopeTracker:
         frame = self._stack()[-1]
         index = frame.count
         frame.count += 1
-        dtype = str(tensor.dtype).removeprefix("torch.")
-        return f"{frame.name}#{index}:{dtype}:{tensor.dim()}d"
+        return f"{frame.name}#{index}:{_dtype_name(tensor.dtype)}:{tensor.dim()}d"
+
+
+@functools.cache
+def _dtype_name(dtype: torch.dtype) -> str:
+    """``float32`` for ``torch.float32`` (a key names its dtype on every save)."""
+    return str(dtype).removeprefix("torch.")
