@@ -302,6 +302,33 @@ def decisions_idle() -> bool:
     return not decisions.measuring()
 
 
+def test_a_controller_whose_hooks_are_off_measures_nothing() -> None:
+    """A meter armed for the open step stops measuring when the hooks come off (the end of a
+    ``with Controller`` block, ``paused()``) and measures again when they come back, whoever
+    still holds the controller: ``decisions.measuring()`` is global, and while it is on every
+    linear call in every model publishes its use. Before, it stayed on until the controller
+    was garbage-collected."""
+    model, x, y = make_case("cnn")
+    cfg = GactConfig.from_level("L2", min_numel=0, adapt_first_gap=1)
+    controller = Controller(model, cfg)
+    with controller:
+        for _ in range(4):  # up to the first step the schedule measures
+            make_closure(model, x, y)()
+            if controller.hooks.meter is not None:
+                break
+            controller.step()
+        assert controller.hooks.meter is not None and not decisions_idle()
+        with controller.paused():
+            assert decisions_idle()
+        assert not decisions_idle()
+    assert decisions_idle()  # the step stays open: the meter is still the controller's
+    controller.install_hook()
+    try:
+        assert controller.hooks.meter is not None and not decisions_idle()
+    finally:
+        controller.uninstall_hook()
+
+
 def test_padding_same_is_measured_as_its_explicit_padding() -> None:
     """The same convolution and rounding with ``padding='same'`` and ``padding=(1, 2)``
     measure the same sensitivity, and a border-free ``padding=0`` a smaller one."""

@@ -195,6 +195,8 @@ class Controller:
         self._ever_installed = True
         installed_hooks().append(self.hooks)
         _INSTALLED.add(self)
+        if self.hooks.meter is not None:  # the open step's meter measures while hooks are on
+            self.hooks.meter.start()
 
     def uninstall_hook(self) -> None:
         """Stop compressing. Tensors saved so far stay compressed and still unpack correctly."""
@@ -216,6 +218,8 @@ class Controller:
         installed_hooks().remove(self.hooks)
         _INSTALLED.discard(self)
         self.tracker.detach()
+        if self.hooks.meter is not None:  # measuring is global: other models would publish
+            self.hooks.meter.stop()
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
