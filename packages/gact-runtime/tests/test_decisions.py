@@ -324,12 +324,12 @@ def test_fused_attention_gradient_is_unbiased() -> None:
     assert float((mean - exact).norm()) < 1.5 * float(stderr.norm())
 
 
-@pytest.mark.parametrize(("level", "small", "large"), [("L1", 6, 4), ("L1.2", 4, 2), ("L2", 6, 4)])
-def test_batch_norm_inputs_of_few_per_channel_take_two_more_bits(
+@pytest.mark.parametrize(("level", "small", "large"), [("L1", 8, 4), ("L1.2", 6, 2), ("L2", 8, 4)])
+def test_batch_norm_inputs_of_few_per_channel_take_four_more_bits(
     level: str, small: int, large: int
 ) -> None:
     """NOTE [Small maps]: BatchNorm on batch statistics with at most ``SMALL_MAP`` elements per
-    channel stores its input 2 bits above the level's width at any rank (here BatchNorm1d on 64
+    channel stores its input 4 bits above the level's width at any rank (here BatchNorm1d on 64
     rows; rank 4 is test_channel_groups.py's); 2,048 rows and running statistics do not."""
     key = "1#0:float32:2d"  # the BatchNorm's input
     widths = {}
@@ -347,4 +347,4 @@ def test_batch_norm_inputs_of_few_per_channel_take_two_more_bits(
     assert widths[2048, True][1] == 0 and widths[64, False][1] == 0
     if level != "L2":  # L2 allocates the other widths itself
         assert widths[2048, True][0] == widths[64, False][0] == large
-    assert decisions.SMALL_MAP == 1024 and decisions.SMALL_MAP_EXTRA_BITS == 2
+    assert (decisions.SMALL_MAP, decisions.BATCH_NORM_EXTRA_BITS) == (1024, 4)
