@@ -75,6 +75,44 @@ def test_compiled_models_train_with_compressed_saves(backend: str, spelling: str
     assert relative_error([w - s for w, s in zip(weights, start)], moved) < 0.2
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("rank", [4, 2])
+def test_compiled_saves_take_the_widths_eager_saves_take_on_small_maps(
+    backend: str, rank: int
+) -> None:
+    """NOTE [Small maps] in decisions.py, compiled as eager: a BatchNorm's input on maps of at
+    most ``SMALL_MAP`` elements per channel 4 bits above the level's width (aot_eager keeps
+    BatchNorm an op, inductor decomposes it into ``var_mean`` and pointwise ops), other saves
+    of rank 4 on such maps 2 bits above it, the rest at it."""
+    torch.manual_seed(0)
+    if rank == 4:
+        layers = [nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU()]
+        layers += [nn.Conv2d(16, 16, 3, padding=1), nn.Flatten(), nn.Linear(256, 10)]
+        x = torch.randn(16, 8, 4, 4)
+    else:
+        layers = [nn.Linear(64, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 10)]
+        x = torch.randn(64, 64)
+    model = nn.Sequential(*layers)
+    run = torch.compile(model, backend=backend)
+    y = torch.randint(0, 10, (x.shape[0],))
+    # the saves of the BatchNorm's input and of the ReLU's output: eager keys name the module
+    # that saved, compiled ones the module whose op made the tensor
+    roles = {"eager": ("1#0:", "2#0:"), "compiled": ("0@", "2@relu")}
+    widths = {}
+    for spelling, target in (("eager", model), ("compiled", run)):
+        with Controller(model, GactConfig.from_level("L1")) as controller:
+            for _ in range(2):
+                F.cross_entropy(target(x), y).backward()
+                controller.step()
+        records = controller.ledger.last
+        widths[spelling] = [
+            next(r.bits for k, r in records.items() if k.startswith(role) and r.bits)
+            for role in roles[spelling]
+        ]
+    assert widths["eager"] == [8, 6 if rank == 4 else 4]
+    assert widths["compiled"] == widths["eager"]
+
+
 def _relu_mlp() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 8))

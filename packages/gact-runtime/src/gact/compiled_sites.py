@@ -98,6 +98,12 @@ _STATISTIC_OUTPUTS = {
     "aten._fused_rms_norm": (1,), "aten.var_mean": (0, 1),
 }  # fmt: skip
 _RELU = {"aten.relu"}
+# BatchNorm on the batch's statistics, as the forward graph holds it: the op itself (aot_eager),
+# or, decomposed (inductor), ``var_mean`` over every dimension but the channels' (dimension 1).
+_BATCH_NORMS = {
+    "aten._native_batch_norm_legit_functional", "aten._native_batch_norm_legit",
+    "aten.native_batch_norm",
+}  # fmt: skip
 _STORABLE = frozenset({torch.bool, *gact_kernels.FLOAT_DTYPES, *gact_kernels.INT_DTYPES})
 
 
@@ -122,6 +128,8 @@ class CompiledSite:
         zero_exact: a ReLU output read by ``x > 0``: stored on the zero-exact grid.
         min_bits: its smallest width (fused attention's q and k).
         row_length: LayerNorm rows: groups never span two rows of this many elements (0: none).
+        batch_norm_input: normalised by its batch's statistics per channel (NOTE [Small maps] in
+            decisions.py: on small maps it then takes more bits, as in eager code).
         like: a meta tensor like the saved one (static shapes only): a kept site is counted
             in the ledger with it whenever its graph runs (``SaveHooks.pack_site``).
     """
@@ -136,6 +144,7 @@ class CompiledSite:
     zero_exact: bool = False
     min_bits: int = 0
     row_length: int = 0
+    batch_norm_input: bool = False
     like: torch.Tensor | None = None
 
     @property
@@ -220,6 +229,7 @@ class CompiledSite:
             zero_exact=zero_exact,
             min_bits=min_bits,
             row_length=row_length,
+            batch_norm_input=any(_normalises(use, node) for use in node.users),
             **site,
         )
 
@@ -227,6 +237,21 @@ class CompiledSite:
     def unknown_use(self) -> bool:
         """Kept because GACT does not know how its backward reads it (warned once)."""
         return self.keep is not None and self.keep.startswith("read by")
+
+
+def _normalises(use: torch.fx.Node, node: torch.fx.Node) -> bool:
+    """Whether forward node ``use`` normalises ``node`` by its batch's per-channel statistics:
+    a BatchNorm in training mode, or (decomposed) ``var_mean`` over all dimensions but 1."""
+    if not use.args or use.args[0] is not node:
+        return False
+    op = op_name(use)
+    if op in _BATCH_NORMS:  # ``training`` follows the running statistics, if it has them
+        index = 3 if use.target is torch.ops.aten._native_batch_norm_legit.no_stats else 5
+        return bool(use.args[index]) if len(use.args) > index else True
+    if op != "aten.var_mean" or len(use.args) < 2 or not isinstance(use.args[1], Sequence):
+        return False
+    rank = node.meta["val"].dim() if "val" in node.meta else 0
+    return rank >= 2 and sorted(d % rank for d in use.args[1]) == [d for d in range(rank) if d != 1]
 
 
 def _statistic(node: torch.fx.Node, depth: int = 0) -> bool:

@@ -95,7 +95,7 @@ __all__ = [
 #   minibatch variance) came from the first LayerNorm's input; with row groups no layer's
 #   rounding variance exceeds 9.3% of its minibatch variance (BENCHMARKS.md, "Stability").
 # - BatchNorm normalising by the batch's statistics reads its input through each channel's
-#   spread; on small maps its input takes 2 more bits (NOTE [Small maps]).
+#   spread; on small maps its input takes 4 more bits (NOTE [Small maps]).
 
 
 # Autograd nodes whose backward branches on a saved tensor (class names without the trailing
@@ -380,17 +380,20 @@ def _attention(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | No
 # 13.9% (at 7 bits for every small map 3.1%, with their BatchNorm inputs alone at 8 bits 3.1%,
 # at the same weights). Over 300 steps and 3 seeds at lr 0.05 and 0.1, rounding at L1 then adds
 # at most ... of the minibatch variance to any layer's gradient of that ResNet (BENCHMARKS.md,
-# "Stability"). At batch 64 the rule covers 31% of its quantized elements (layer2-4), 17% of
-# them BatchNorm inputs: L1 stores 6.25x less than fp32 instead of 7.03x without it. The
+# "Stability"). At batch 64 the rule covers 31% of its quantized elements (layer2-4), the
+# BatchNorm inputs among them 17%: L1 stores 6.25x less than fp32 instead of 7.03x without it. The
 # examples' CNNs, whose maps hold 6,272 or more elements per channel at their batch size, are
-# unchanged.
+# unchanged. Compiled graphs apply the same widths: ``SaveHooks._compress`` adds the small-map
+# bits to every save, and a compiled site knows a BatchNorm's input from its forward graph,
+# where it feeds the BatchNorm op or, decomposed by inductor, a ``var_mean`` over every
+# dimension but the channels' (``CompiledSite.batch_norm_input`` in compiled_sites.py).
 # At adaptive levels the extra bits are a *preferred* width (``SiteRecord.preferred_bits``),
 # not a floor like fused attention's 6 bits: they reduce variance, not a bias, and an adaptive
-# level promises its budget. The allocation gives those saves their nominal width plus 2 where
-# the level's average (or ``memory_budget``) holds every preferred width, and otherwise
-# allocates from the hard lower bounds alone (L2.2 on that ResNet: the preferred widths would
-# take 2.5 bits per element); ``SaveHooks._compress`` applies a preferred width only to the
-# saves no allocation has placed yet.
+# level promises its budget. The allocation gives those saves their preferred widths where
+# the level's average (or ``memory_budget``) holds every one of them, and otherwise allocates
+# from the hard lower bounds alone (L2.2 on that ResNet: its preferred widths average 3.2 bits
+# per element, metadata included); ``SaveHooks._compress`` applies a preferred width only to
+# the saves no allocation has placed yet.
 SMALL_MAP = 1024  # elements per channel at most
 SMALL_MAP_EXTRA_BITS = 2  # bits above the level's
 BATCH_NORM_EXTRA_BITS = 4  # bits above the level's, for a BatchNorm's input

@@ -504,6 +504,9 @@ class SaveHooks:
             precise_ids=frozenset({id(tensor)}),
             rows_id=id(tensor) if site.row_length else None,
             row_length=site.row_length,
+            extra_bits=decisions.BATCH_NORM_EXTRA_BITS  # as _batch_norm's rule in eager code
+            if site.batch_norm_input and decisions.small_channels(tensor)
+            else 0,
         )
         kind, compact = self._classify(key, tensor, spec, inside=True, exact=False)
         if kind is not None:
