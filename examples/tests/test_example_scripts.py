@@ -217,12 +217,15 @@ def test_stability_script(model, data_root, tmp_path, script):
     out = tmp_path / "s.json"
     argv = ["--data", str(data_root), "--model", model, "--levels", "L0,L1", "--seeds", "0"]
     argv += ["--lrs", "0.001", "--steps", "3", "--batch-size", "4", "--images", "16"]
-    argv += ["--variance-steps", "1", "--variance-draws", "2", "--out", str(out)]
+    argv += ["--variance-steps", "1", "--variance-draws", "2", "--minibatch-draws", "3"]
+    argv += ["--rounding-batches", "2", "--out", str(out)]
     argv += ["--channel-error-steps", "2"]
     records = script("stability.py").main(argv)
     assert json.loads(out.read_text()) == json.loads(json.dumps(records))
     fp32, l1 = json.loads(out.read_text())
-    assert (fp32["level"], l1["level"]) == ("L0", "L1") and l1["ratio"] > 4
+    # at batch 4 every map is small: BatchNorm inputs at 8 bits, other saves at 6 (NOTE [Small
+    # maps] in decisions.py), so L1 stores 3.7x less on the ResNet
+    assert (fp32["level"], l1["level"]) == ("L0", "L1") and l1["ratio"] > 3
     for rec in records:
         assert rec["first_nan_step"] is None and len(rec["losses"]) == 3
         assert math.isfinite(rec["final_loss"]) and rec["max_grad_norm"] > 0
