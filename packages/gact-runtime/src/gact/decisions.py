@@ -376,18 +376,17 @@ def _attention(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | No
 # So every save of rank 4 or more with at most ``SMALL_MAP`` elements per channel (dimension 1)
 # takes ``SMALL_MAP_EXTRA_BITS`` more than the level's width (6 at L1, 4 at L1.2), and the input
 # of a BatchNorm on batch statistics of any rank with as few ``BATCH_NORM_EXTRA_BITS`` more (8 at
-# L1, 6 at L1.2): with 2 more, at lr 0.1, BatchNorm weights of layer3 and layer4 still took up
-# to 13.9% (at the same weights 3.1% with those inputs at 8 bits, and as much with every small
-# map at 7 bits, at the same cost). Over 300 steps and 3 seeds, rounding at L1 then adds at most
-# 6.6% of the minibatch variance to any layer's gradient of that ResNet at lr 0.05, and at most
-# 2.8% to layer3's and layer4's at lr 0.1, where layer1's BatchNorm weights (8x8 maps, not
-# covered) reach 10.7% once (BENCHMARKS.md, "Stability"). At batch 64 the rule covers 31% of
-# its quantized elements (layer2-4), the BatchNorm inputs among them 17%: L1 stores 6.25x less
-# than fp32 instead of 7.56x without it. The examples' CNNs, whose maps hold 6,272 or more
-# elements per channel at their batch size, are unchanged. Compiled graphs apply the same
-# widths: ``SaveHooks._compress`` adds the small-map bits to every save, and a compiled site
-# knows a BatchNorm's input from its forward graph, where it feeds the BatchNorm op or,
-# decomposed by inductor, a ``var_mean`` over every dimension but the channels'
+# L1, 6 at L1.2): with 2 more, at lr 0.1, a BatchNorm weight of layer3 still took 8.5% of its
+# minibatch variance, with 8 bits 2.0% at the same weights (every small map at 7 bits did about
+# as well, at the same cost). Over 300 steps and 3 seeds, rounding at L1 then adds at most 4.0%
+# (lr 0.05) and 4.4% (lr 0.1) of the minibatch variance to any parameter's gradient of that
+# ResNet, the minibatch variance taken over 32 batches (BENCHMARKS.md, "Stability"). At batch
+# 64 the rule covers 31% of its quantized elements (layer2-4), the BatchNorm inputs among them
+# 17%: L1 stores 6.25x less than fp32 instead of 7.56x without it. The examples' CNNs, whose
+# maps hold 6,272 or more elements per channel at their batch size, are unchanged. Compiled
+# graphs apply the same widths: ``SaveHooks._compress`` adds the small-map bits to every save,
+# and a compiled site knows a BatchNorm's input from its forward graph, where it feeds the
+# BatchNorm op or, decomposed by inductor, a ``var_mean`` over every dimension but the channels'
 # (``CompiledSite.batch_norm_input`` in compiled_sites.py).
 # At adaptive levels the extra bits are a *preferred* width (``SiteRecord.preferred_bits``),
 # not a floor like fused attention's 6 bits: they reduce variance, not a bias, and an adaptive
