@@ -17,6 +17,7 @@ import torch
 
 from .decisions import ATTENTION_BITS
 from .errors import GactError
+from .scope import dtype_name
 
 if TYPE_CHECKING:
     from .saved import SaveHooks
@@ -168,7 +169,7 @@ class CompiledSite:
     def of(cls, hooks: SaveHooks, val: torch.Tensor, context: dict[str, Any]) -> CompiledSite:
         """Decide how to store the saved node named by ``context`` (see NOTE above)."""
         node: torch.fx.Node = context["_node"]
-        key = f"{_module_path(node)}@{node.name}:{str(val.dtype).removeprefix('torch.')}"
+        key = f"{_module_path(node)}@{node.name}:{dtype_name(val.dtype)}"
         key += f":{val.dim()}d"
         site = dict(owner=weakref.ref(hooks), key=key, dtype=val.dtype, device=val.device)
         site["graph"] = _graph_number(context["_fw_graph"])

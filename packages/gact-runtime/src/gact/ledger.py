@@ -10,6 +10,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from .scope import dtype_name
+
 __all__ = ["Kind", "Ledger", "SiteRecord", "live_tensor_peak", "occupied_bytes"]
 
 T = TypeVar("T")
@@ -211,7 +213,7 @@ class Ledger:
                 (
                     rec.key,
                     "-" if rec.kind is Kind.PARAMETER else "x".join(map(str, rec.shape)) or "1",
-                    str(rec.dtype).removeprefix("torch."),
+                    dtype_name(rec.dtype),
                     rec.kind.value,
                     _bits_cell(rec, rec.key in exact),
                     _sensitivity_cell(

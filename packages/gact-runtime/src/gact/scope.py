@@ -16,7 +16,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .decisions import DecisionMode
 
-__all__ = ["OUTSIDE", "ScopeTracker"]
+__all__ = ["OUTSIDE", "ScopeTracker", "dtype_name"]
 
 # NOTE [Save-site keys]
 # A saved tensor is named by *where* it was saved, not by when: the qualified name of the
@@ -231,10 +231,10 @@ class ScopeTracker:
         frame = self._stack()[-1]
         index = frame.count
         frame.count += 1
-        return f"{frame.name}#{index}:{_dtype_name(tensor.dtype)}:{tensor.dim()}d"
+        return f"{frame.name}#{index}:{dtype_name(tensor.dtype)}:{tensor.dim()}d"
 
 
 @functools.cache
-def _dtype_name(dtype: torch.dtype) -> str:
-    """``float32`` for ``torch.float32`` (a key names its dtype on every save)."""
+def dtype_name(dtype: torch.dtype) -> str:
+    """``float32`` for ``torch.float32``, as save-site keys name dtypes (on every save)."""
     return str(dtype).removeprefix("torch.")
