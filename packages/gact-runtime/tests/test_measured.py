@@ -140,6 +140,10 @@ def test_linear_uses_are_published_only_while_a_meter_runs() -> None:
             x @ torch.randn(4, 2, requires_grad=True).exp()  # not a leaf: an activation
         reads = [t for t, s in seen if s is not None and s.linear and s.linear.reads(t)]
         assert len(reads) == 1 and reads[0] is x  # not the weight, not the activation product
+        seen.clear()
+        with Spy(), DecisionMode():  # an op overload is matched by its name
+            torch.ops.aten.linear.default(x, layer.weight)
+        assert [t for t, s in seen if s is not None and s.linear and s.linear.reads(t)] == [x]
     finally:
         meter.stop()
     seen.clear()

@@ -164,7 +164,13 @@ class LinearUse:
         return self.conv is None or tensor.dim() == len(self.conv[4]) + 2
 
 
-@dataclass(frozen=True)
+# NOTE [Specs per call]
+# A spec is built by the rule of every call that has one, in every forward (a GELU, a
+# BatchNorm, a LayerNorm: one per layer), so it is a plain slotted dataclass: building a frozen
+# one costs six times as much (every field set through ``object.__setattr__``). Specs are
+# values all the same: nothing assigns to a spec's fields once it is built, and the shared ones
+# below (``_EXACT``, ``_RELU``, ...) are returned by many calls.
+@dataclass(slots=True)
 class DecisionSpec:
     """What the backward of one call decides on its saved tensors.
 
@@ -460,8 +466,6 @@ def _product(x_at: tuple[int, str], weight_at: tuple[int, str], *, matrix: bool)
     (position, keyword), a matrix if ``matrix``: ``F.linear``, ``addmm``, ``matmul``, ``mm``."""
 
     def rule(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
-        if not measuring():
-            return None
         weight = _arg(args, kwargs, *weight_at, None)
         if not _parameter(weight) or (matrix and weight.dim() != 2):
             return None
@@ -472,8 +476,6 @@ def _product(x_at: tuple[int, str], weight_at: tuple[int, str], *, matrix: bool)
 
 def _conv(dims: int) -> _Rule:
     def rule(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
-        if not measuring():
-            return None
         x, weight = _arg(args, kwargs, 0, "input", None), _arg(args, kwargs, 1, "weight", None)
         if not (_parameter(weight) and weight.dim() == dims + 2):
             return None
@@ -582,13 +584,6 @@ def _rules() -> dict[Callable[..., Any], _Rule]:
     add(_batch_norm, F.batch_norm, torch.batch_norm)
     add(_row_norm, F.layer_norm, torch.layer_norm)
     add(_row_norm, getattr(F, "rms_norm", None), getattr(torch, "rms_norm", None))
-    add(_product((0, "input"), (1, "weight"), matrix=False), F.linear)
-    add(_product((1, "mat1"), (2, "mat2"), matrix=True), torch.addmm, T.addmm)
-    add(_product((0, "input"), (1, "other"), matrix=True), torch.matmul, T.matmul, T.__matmul__)
-    add(_product((0, "input"), (1, "mat2"), matrix=True), torch.mm, T.mm)
-    add(_conv(1), F.conv1d)
-    add(_conv(2), F.conv2d)
-    add(_conv(3), F.conv3d)
     source = _shape_only(3, "source")
     add(source, torch.index_add, T.index_add, T.index_add_)
     add(source, torch.index_copy, T.index_copy, T.index_copy_)
@@ -597,20 +592,56 @@ def _rules() -> dict[Callable[..., Any], _Rule]:
     return table
 
 
-_RULES = _rules()
-# ``torch.ops.aten.<name>`` calls reach the mode as op overloads: matched by name. Their
-# arguments follow the same schema as the Python functions above.
-_ATEN_RULES: dict[str, _Rule] = {
-    name: _RULES[func] for func in _RULES if (name := getattr(func, "__name__", "").lstrip("_"))
-}
+def _meter_rules() -> dict[Callable[..., Any], _Rule]:
+    """The rules of calls that read a save linearly into a parameter's gradient: they matter
+    only while a sensitivity meter runs (NOTE [Measured sensitivities] in measured.py)."""
+    T = torch.Tensor
+    matmul = _product((0, "input"), (1, "other"), matrix=True)
+    return {
+        F.linear: _product((0, "input"), (1, "weight"), matrix=False),
+        **dict.fromkeys((torch.addmm, T.addmm), _product((1, "mat1"), (2, "mat2"), matrix=True)),
+        **dict.fromkeys((torch.matmul, T.matmul, T.__matmul__), matmul),
+        **dict.fromkeys((torch.mm, T.mm), _product((0, "input"), (1, "mat2"), matrix=True)),
+        F.conv1d: _conv(1),
+        F.conv2d: _conv(2),
+        F.conv3d: _conv(3),
+    }
+
+
+def _by_aten_name(rules: dict[Callable[..., Any], _Rule]) -> dict[str, _Rule]:
+    """``torch.ops.aten.<name>`` calls reach the mode as op overloads: matched by name. Their
+    arguments follow the same schema as the Python functions."""
+    return {
+        name: rules[func] for func in rules if (name := getattr(func, "__name__", "").lstrip("_"))
+    }
+
+
+_RULES, _METER_RULES = _rules(), _meter_rules()
+_ATEN_RULES, _ATEN_METER_RULES = _by_aten_name(_RULES), _by_aten_name(_METER_RULES)
 _local = threading.local()
 _meters: weakref.WeakSet[object] = weakref.WeakSet()  # running sensitivity meters
 
 
-def _rule(func: Callable[..., Any]) -> _Rule | None:
-    rule = _RULES.get(func)
-    if rule is None and isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        rule = _ATEN_RULES.get(func.__name__.split(".")[0])
+# Every call of a forward passes through ``DecisionMode``, most of them (views, additions,
+# matrix products while no meter runs) without a rule: the rule of each function, ``None``
+# included, is looked up once and then read from a dictionary, one per meter state (one lookup
+# per call).
+_rule_of: tuple[dict[Callable[..., Any], _Rule | None], ...] = ({}, {})
+
+
+def _rule(func: Callable[..., Any], metering: bool) -> _Rule | None:
+    """The rule of ``func``, with the meter rules if ``metering``."""
+    known = _rule_of[metering]
+    try:
+        return known[func]
+    except KeyError:
+        pass
+    aten = isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+    name = func.__name__.split(".")[0] if aten else None
+    rule = _RULES.get(func) or _ATEN_RULES.get(name)
+    if rule is None and metering:
+        rule = _METER_RULES.get(func) or _ATEN_METER_RULES.get(name)
+    known[func] = rule
     return rule
 
 
@@ -727,9 +758,11 @@ class DecisionMode(TorchFunctionMode):
         args: Sequence[Any] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        rule = _rule(func, bool(_meters))
+        if rule is None:
+            return func(*args, **kwargs) if kwargs else func(*args)
         kwargs = kwargs or {}
-        rule = _rule(func)
-        spec = None if rule is None else rule(args, kwargs)
+        spec = rule(args, kwargs)
         if spec is None:
             return func(*args, **kwargs)
         outer, outer_waiting = current_spec(), getattr(_local, "waiting", None)
