@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from .compiled_sites import VIEWS, CompiledSite, add_kept, op_name
 from .errors import GactError
@@ -65,6 +66,18 @@ __all__ = [
 #   placed when the compiled forward first runs, before the backward is compiled (lazily, at
 #   its first call; a backward compiled ahead of time, with dynamic shapes, keeps that one
 #   unpack at its start). tests/test_compile.py proves the placement with the peak.
+# - Each save keeps the layout the compiled code gives it. AOTAutograd traces the hooks on fake
+#   tensors with eager strides (NCHW), while inductor lays a convolutional graph's activations
+#   out channels-last: an op that fixed its input's stride order would make inductor write an
+#   NCHW copy of every save for the pack (three full-size buffers per conv/BatchNorm/ReLU
+#   block where fp32 has one), and an unpack returning NCHW would make it convert every
+#   unpacked tensor back before the convolution's backward. So ``pack_saved`` takes any layout
+#   (``flexible_layout``: the tensor as inductor has it, channels-last included; the kernels
+#   restore its strides), and when the compiled forward first runs, before the backward is
+#   compiled, each ``unpack_saved`` is told the strides its save really has (``_restride``:
+#   inductor lowers the graph's nodes; their generated Python code, which aot_eager runs, is
+#   left as it is, since eager kernels give a save its traced strides). A backward compiled
+#   before that (ahead of time) keeps the traced strides: the unpack then copies into them.
 # Saves that AOTAutograd does not hand to the hooks (graph inputs, parameters, outputs: the
 # default ``saved_tensors_hooks_filtering_mode="donated"``) are kept, as they cannot be freed.
 # ``_SITES`` keeps the traced sites for the process's life (a compiled graph may run again as
@@ -78,16 +91,21 @@ COMPILED_NODE = "CompiledFunctionBackward"
 # ----------------------------------------------------------------- the ops in compiled graphs
 _SITES: list[CompiledSite] = []  # site id -> site; a site is traced once per compiled graph
 _PAYLOADS: dict[int, Saved] = {}  # handle -> what its save holds (see NOTE above)
+# site -> the backward graph whose unpack of it has its traced strides (NOTE above)
+_RESTRIDE: dict[int, weakref.ref[torch.fx.Graph]] = {}
 _HANDLES = itertools.count(1)
 _LOCK = threading.Lock()
 
 
-@torch.library.custom_op("gact::pack_saved", mutates_args=())
+@torch.library.custom_op("gact::pack_saved", mutates_args=(), tags=(torch.Tag.flexible_layout,))
 def _pack_saved(tensor: torch.Tensor, site: int) -> torch.Tensor:
     """Compress ``tensor`` as site ``site`` says; returns its handle (see NOTE above)."""
     _flush_placements()
     entry = _SITES[site]
     saved = entry.hooks.pack_site(tensor, entry)
+    graph = _RESTRIDE.pop(site, None)
+    if graph is not None:
+        _restride(graph(), site, saved.unpacked_stride())
     handle = torch.tensor([next(_HANDLES)], dtype=torch.int64)
     number = int(handle[0])
     with _LOCK:
@@ -161,6 +179,8 @@ def pack_traced(hooks: SaveHooks, tensor: torch.Tensor, context: dict[str, Any])
         graph = context["_bw_graph"]
         if entry.keep is None and not any(g is graph for g in _PENDING):
             _PENDING.append(graph)  # once per graph, however many sites it has
+        if entry.keep is None and entry.like is not None:  # static shapes: strides known
+            _RESTRIDE[site] = weakref.ref(graph)
         add_kept(entry)
     if _SITES[site].keep is not None:
         return tensor
@@ -215,6 +235,24 @@ def _place_unpacks(graph: torch.fx.Graph) -> bool:
             first.prepend(node)
             moved = True
     return moved
+
+
+def _restride(graph: torch.fx.Graph | None, site: int, stride: tuple[int, ...] | None) -> None:
+    """Give ``site``'s unpacks in ``graph`` the strides its save has when the compiled forward
+    runs (NOTE above), when they differ from the traced ones; ``None``: keep them."""
+    if graph is None or stride is None:
+        return
+    for node in graph.nodes:
+        if node.target is not _UNPACK or node.args[1] != site or tuple(node.args[3]) == stride:
+            continue
+        handle, _, shape, _ = node.args
+        node.args = (handle, site, shape, list(stride))
+        val = node.meta.get("val")
+        if isinstance(val, FakeTensor):
+            with val.fake_mode:
+                node.meta["val"] = torch.empty_strided(
+                    shape, stride, dtype=val.dtype, device=val.device
+                )
 
 
 def _flush_placements() -> None:

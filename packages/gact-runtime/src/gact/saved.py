@@ -94,6 +94,10 @@ class Saved(abc.ABC):
     def _describe(self) -> str:
         """The tensor as PyTorch's in-place error message names it."""
 
+    def unpacked_stride(self) -> tuple[int, ...] | None:
+        """The strides of the tensor ``unpack`` returns, where known without unpacking."""
+        return None
+
     def _check(self, tensor: torch.Tensor) -> None:
         """Raise PyTorch's message (so searches find it) if ``tensor`` changed since pack."""
         if tensor._version == self.version:
@@ -127,6 +131,9 @@ class SavedKept(Saved):
 
     def _describe(self) -> str:
         return _describe(self.tensor.dtype, self.tensor.device, self.tensor.shape)
+
+    def unpacked_stride(self) -> tuple[int, ...] | None:
+        return self.tensor.stride()
 
     def unpack(self) -> torch.Tensor:
         self._check(self.tensor)
@@ -239,6 +246,11 @@ class SavedCompressed(Saved):
     def _describe(self) -> str:
         dtype = self.witness.dtype if self.table is not None else self.held.dtype
         return _describe(dtype, self.witness.device, self.held.shape)
+
+    def unpacked_stride(self) -> tuple[int, ...] | None:
+        if self.table is not None or self.expand_to is not None or self.view_to is not None:
+            return None
+        return tuple(self.known.stride)  # the payload restores these (its final metadata)
 
     def unpack(self) -> torch.Tensor:
         self._check(self.witness)
@@ -516,7 +528,11 @@ class SaveHooks:
         saved = self._compress(key, tensor, compact, spec)
         assert isinstance(saved, SavedCompressed)
         # The compiled code reuses the buffer, and bumps its version, once its save is packed;
-        # nothing else can write to a compiled graph's intermediate: no version to check.
+        # nothing else can write to a compiled graph's intermediate: no version to check. A
+        # pending quantization would read its lossless groups out of the buffer later (NOTE
+        # [Pending saves]): it is resolved now, before the buffer is written again.
+        if saved.pending:
+            saved.resolve()
         saved.witness = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
         saved.version = 0
         if saved.decision is not None:
