@@ -228,6 +228,20 @@ struct Runs {
   int64_t outer = 0, channels = 0, inner = 0, run = 0;
 };
 
+// NOTE [group order]
+// The kernels' loops may visit the groups in any order: each group's bytes depend only on its
+// index. Over channel runs read in place they visit every channel's b-th group before any
+// channel's (b+1)-th: for a channels-last tensor (inner == 1) a group is 256 positions of one
+// channel, `channels` elements apart, so in channel order each group's reads touched a cache
+// line per element and the next channel's group re-read the same lines after the whole
+// tensor had passed through the cache (the tensor was read once per channel); in this order
+// the channels of one block of positions follow each other while its lines are cached.
+inline int64_t group_at(int64_t t, const Runs& r, int64_t G) {
+  if (r.run == 0) return t;
+  const int64_t blocks = r.run / G;  // groups per channel (a run is whole groups)
+  return t % r.channels * blocks + t / r.channels;
+}
+
 // Elements [first, first + m) of the block (within one channel's run) as floats: pieces of up
 // to `inner` contiguous elements, `channels * inner` apart (one element each for inner == 1,
 // the channels-last and 1x1-map case).
@@ -285,7 +299,8 @@ void quantize_impl(const typename Elem<DT>::type* x, int64_t n, int64_t G, Strea
     std::vector<uint8_t> qbuf(B == 8 ? 0 : G + kChunk, 0);
     std::vector<uint64_t> words(8 % B == 0 ? 0 : G / kChunk + 1);  // NOTE [odd widths]
 #pragma omp for schedule(dynamic, kGroupsPerTask)
-    for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t t = 0; t < groups; ++t) {
+      const int64_t g = group_at(t, runs, G);  // NOTE [group order]
       const int64_t first = g * G;
       const int64_t m = std::min(G, n - first);
       const float* xs = fbuf.data();
@@ -331,7 +346,8 @@ void dequantize_impl(const uint8_t* data, const float* lo, const float* scale, i
     std::vector<float> fbuf(DT == kFloat32 && runs.run == 0 ? 0 : G);
     std::vector<T> tbuf(DT == kFloat32 || runs.run == 0 ? 0 : G);
 #pragma omp for schedule(dynamic, kGroupsPerTask)
-    for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t t = 0; t < groups; ++t) {
+      const int64_t g = group_at(t, runs, G);  // NOTE [group order]
       const int64_t first = g * G;
       const int64_t m = std::min(G, n - first);
       const uint8_t* q = data + first / kChunk * B;
