@@ -56,3 +56,38 @@ def record_saves(controller: Any, monkeypatch: Any) -> list[object]:
 
     monkeypatch.setattr(controller.hooks, "pack_own", recording)
     return saved
+
+
+class ManualEvent:
+    """A CUDA event's ``query``/``synchronize`` for a CPU test: done once waited for."""
+
+    def __init__(self) -> None:
+        self.fired = False
+
+    def query(self) -> bool:
+        return self.fired
+
+    def synchronize(self) -> None:
+        self.fired = True
+
+
+def deferred_quantize(real: Callable[..., Any], lossless: list[int] | None = None) -> Callable:
+    """``quantize_async`` as on CUDA (NOTE [Deferred lossless check] in gact_kernels): the
+    lossless groups are left to the synchronous path, which reads them from the input when the
+    pending call is resolved (``ManualEvent``: only when the hooks force it). ``lossless``
+    collects each call's number of lossless groups. Inputs grouped in memory order only."""
+
+    def quantize_async(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        q = real(x, *args, **kwargs).result()
+        # the block is x in memory order: groups in memory order, x dense (its own strides kept)
+        assert q.channel_dim is None and q.stride == x.stride()
+        if lossless is not None:
+            lossless.append(len(q.lossless_groups))
+        provisional = q._with(
+            lossless_groups=torch.empty(0, dtype=torch.int64),
+            lossless_values=x.new_empty((0, q.group_size)),
+        )
+        block = x.detach().as_strided((x.numel(),), (1,))
+        return gact_kernels.PendingQuantize(provisional, block, ManualEvent())
+
+    return quantize_async

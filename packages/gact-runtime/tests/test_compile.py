@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from gact import Controller, GactConfig, GactError, GactWarning, compiled
 from gact.ledger import Kind, live_tensor_peak
-from runtime_helpers import grads_of, relative_error
+from runtime_helpers import deferred_quantize, grads_of, relative_error
 from torch import nn
 
 BACKENDS = ["aot_eager", "inductor"]
@@ -240,19 +240,6 @@ def test_compiled_saves_keep_the_layout_inductor_gives_them() -> None:
     assert peak("inductor") < 0.95 * peak(None)
 
 
-class _NeverDone:
-    """A CUDA event's ``query``/``synchronize`` for a CPU test: done once waited for."""
-
-    def __init__(self) -> None:
-        self.fired = False
-
-    def query(self) -> bool:
-        return self.fired
-
-    def synchronize(self) -> None:
-        self.fired = True
-
-
 def test_compiled_saves_read_their_lossless_groups_before_the_buffer_is_reused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -262,21 +249,9 @@ def test_compiled_saves_read_their_lossless_groups_before_the_buffer_is_reused(
     convolution's output into it), so a compiled save must be resolved before its pack
     returns: here every group of the first convolution's output is lossless (its weights are
     subnormal), and the gradients with deferred checks must be those with immediate ones."""
-    real = gact_kernels.quantize_async
-
-    def deferred(x: torch.Tensor, *args: object, **kwargs: object) -> gact_kernels.PendingQuantize:
-        q = real(x, *args, **kwargs).result()
-        assert q.channel_dim is None  # the block is x in memory order (dense)
-        lossless.append(len(q.lossless_groups))
-        provisional = q._with(
-            lossless_groups=torch.empty(0, dtype=torch.int64),
-            lossless_values=x.new_empty((0, q.group_size)),
-        )
-        block = x.detach().as_strided((x.numel(),), (1,))
-        return gact_kernels.PendingQuantize(provisional, block, _NeverDone())
-
     x, y = torch.randn(16, 3, 16, 16), torch.randint(0, 10, (16,))
     lossless: list[int] = []
+    deferred = deferred_quantize(gact_kernels.quantize_async, lossless)
 
     def grads(defer: bool) -> list[torch.Tensor]:
         torch._dynamo.reset()

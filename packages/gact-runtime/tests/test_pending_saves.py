@@ -3,7 +3,7 @@ saved.py): at most ``MAX_PENDING`` wait, each is resolved before it is unpacked,
 gradients and the ledger are those of saves resolved at once.
 
 On a CUDA device the kernel reports through page-locked memory after an event; here, on the
-CPU, ``_ManualEvent`` stands in for that event so that the hooks' bookkeeping is exercised in
+CPU, ``ManualEvent`` stands in for that event so that the hooks' bookkeeping is exercised in
 CI: it never fires by itself, so every resolution is one the hooks forced. The pending calls
 are real ``PendingQuantize`` objects whose lossless groups are found by the synchronous path.
 The CUDA path itself: test_cuda.py.
@@ -17,38 +17,10 @@ import torch
 import torch.nn.functional as F
 from gact import Controller, GactConfig
 from gact.saved import SaveHooks
-from runtime_helpers import grads_of
+from runtime_helpers import deferred_quantize, grads_of
 from torch import nn
 
 DEPTH = 12
-
-
-class _ManualEvent:
-    """A CUDA event's ``query``/``synchronize`` for a CPU test: done once waited for."""
-
-    def __init__(self) -> None:
-        self.fired = False
-
-    def query(self) -> bool:
-        return self.fired
-
-    def synchronize(self) -> None:
-        self.fired = True
-
-
-def _deferred(real):  # type: ignore[no-untyped-def]
-    """``quantize_async`` as on CUDA: the lossless groups left to the synchronous path."""
-
-    def quantize_async(x: torch.Tensor, *args: object, **kwargs: object):  # type: ignore[no-untyped-def]
-        q = real(x, *args, **kwargs).result()
-        assert q.channel_dim is None and x.is_contiguous()  # the block is x in memory order
-        provisional = q._with(
-            lossless_groups=torch.empty(0, dtype=torch.int64),
-            lossless_values=x.new_empty((0, q.group_size)),
-        )
-        return gact_kernels.PendingQuantize(provisional, x.detach().reshape(-1), _ManualEvent())
-
-    return quantize_async
 
 
 def _mlp() -> nn.Module:
@@ -64,7 +36,9 @@ def _run(deferred: bool, x: torch.Tensor, monkeypatch: pytest.MonkeyPatch) -> di
     y = torch.arange(len(x)) % 10
     with monkeypatch.context() as m:
         if deferred:
-            m.setattr(gact_kernels, "quantize_async", _deferred(gact_kernels.quantize_async))
+            m.setattr(
+                gact_kernels, "quantize_async", deferred_quantize(gact_kernels.quantize_async)
+            )
         with Controller(model, GactConfig.from_level("L1", min_numel=0, seed=7)) as ctl:
             loss = F.cross_entropy(model(x), y)
             waiting = [s.payload._source is not None for s in ctl.hooks.pending if s.pending]
@@ -97,7 +71,9 @@ def test_pending_saves_are_bounded_and_change_nothing(
 
 
 def test_a_resolved_save_releases_its_input(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gact_kernels, "quantize_async", _deferred(gact_kernels.quantize_async))
+    monkeypatch.setattr(
+        gact_kernels, "quantize_async", deferred_quantize(gact_kernels.quantize_async)
+    )
     model = _mlp()
     with Controller(model, GactConfig.from_level("L1", min_numel=0)) as ctl:
         loss = model(torch.randn(32, 64)).sum()
