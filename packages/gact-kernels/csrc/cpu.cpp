@@ -268,6 +268,27 @@ void gather_run(const typename Elem<DT>::type* x, const Runs& r, int64_t first, 
   }
 }
 
+// NOTE [channel tiles]
+// A channels-last run (inner == 1) is gathered one element per cache line: its channel's
+// elements are `channels` apart. When the channels come in eights (and so, by NOTE [group
+// order], eight consecutive loop steps are the same block of eight channels, and they fall in
+// one task of kGroupsPerTask steps), the first of them gathers all eight groups at once, one
+// contiguous read of 8 values per position, into a tile that the other seven read from.
+constexpr int64_t kTileChannels = 8;
+static_assert(kGroupsPerTask % kTileChannels == 0, "a tile's steps must fall in one task");
+
+// Fills `tile` (kTileChannels rows of G floats) with the group-sized pieces [j, j + G) of the
+// runs of channels c .. c + 7 (inner == 1; positions past `outer` repeat the last one).
+template <int DT>
+void gather_tile(const typename Elem<DT>::type* x, const Runs& r, int64_t c, int64_t j, int64_t G,
+                 float* tile) {
+  for (int64_t k = 0; k < G; ++k) {
+    const int64_t o = std::min(j + k, r.outer - 1);
+    const auto* src = x + o * r.channels + c;
+    for (int64_t ch = 0; ch < kTileChannels; ++ch) tile[ch * G + k] = Elem<DT>::load(src[ch]);
+  }
+}
+
 // Writes elements [first, first + m) of the block back to their places (padding is dropped).
 template <typename T>
 void scatter_run(const T* buf, const Runs& r, int64_t first, int64_t m, T* out) {
@@ -298,13 +319,19 @@ void quantize_impl(const typename Elem<DT>::type* x, int64_t n, int64_t G, Strea
     std::vector<float> fbuf(DT == kFloat32 && runs.run == 0 ? 0 : G);
     std::vector<uint8_t> qbuf(B == 8 ? 0 : G + kChunk, 0);
     std::vector<uint64_t> words(8 % B == 0 ? 0 : G / kChunk + 1);  // NOTE [odd widths]
+    const bool tiled = runs.run != 0 && runs.inner == 1 && runs.channels % kTileChannels == 0;
+    std::vector<float> tile(tiled ? kTileChannels * G : 0);  // NOTE [channel tiles]
 #pragma omp for schedule(dynamic, kGroupsPerTask)
     for (int64_t t = 0; t < groups; ++t) {
       const int64_t g = group_at(t, runs, G);  // NOTE [group order]
       const int64_t first = g * G;
       const int64_t m = std::min(G, n - first);
       const float* xs = fbuf.data();
-      if (runs.run != 0) {
+      if (tiled) {
+        const int64_t c = t % runs.channels, row = c % kTileChannels;
+        if (row == 0) gather_tile<DT>(x, runs, c, first % runs.run, G, tile.data());
+        xs = tile.data() + row * G;
+      } else if (runs.run != 0) {
         gather_run<DT>(x, runs, first, m, fbuf.data());
       } else if constexpr (DT == kFloat32) {
         xs = x + first;

@@ -99,6 +99,34 @@ def test_bytes_are_the_kernel_on_the_channel_block(
     assert bool((runs[:, length:] == runs[:, length - 1 : length]).all())
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "shape",
+    [(32, 24, 20, 20), (30, 24, 7, 7), (32, 20, 20, 20)],
+    ids=["tiles, whole runs", "tiles, padded runs", "20 channels: no tiles"],
+)
+def test_large_channel_runs_on_two_threads(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Channels-last tensors large enough for the threaded loops, which visit the groups block
+    by block across channels and gather eight channels at a time (NOTE [group order] and NOTE
+    [channel tiles] in csrc/cpu.cpp): the bytes are the plain kernel's on the channel-major
+    block, and so the same on any number of threads."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(4)).to(dtype)
+    x = x.contiguous(memory_format=torch.channels_last)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        q = gact_kernels.quantize(x, 3, group_size=64, seed=5, channel_dim=1)
+        restored = gact_kernels.dequantize(q)
+    finally:
+        torch.set_num_threads(threads)
+    group, _ = channel_grouping(x.shape, 1, 64)
+    plain = gact_kernels.quantize(to_channel_runs(x, 1, group), 3, group_size=group, seed=5)
+    for name in ("data", "lo", "scale"):
+        assert bits_equal(getattr(q, name), getattr(plain, name)), name
+    expected = from_channel_runs(gact_kernels.dequantize(plain), torch.empty_like(x), 1)
+    assert restored.stride() == x.stride() and bits_equal(restored, expected)
+
+
 def test_lossless_groups_of_channel_runs() -> None:
     """A NaN in a channel run: the group is stored losslessly (gathered from the block) and
     comes back bit-exact, in place of the kernels' in-place path."""
