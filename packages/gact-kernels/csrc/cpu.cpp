@@ -314,12 +314,12 @@ void quantize_impl(const typename Elem<DT>::type* x, int64_t n, int64_t G, Strea
   const int64_t groups = (n + G - 1) / G;
   const float levels = static_cast<float>((1 << B) - 1);
   constexpr float tiny = zero_exact_tiny<DT>();
+  const bool tiled = runs.run != 0 && runs.inner == 1 && runs.channels % kTileChannels == 0;
 #pragma omp parallel num_threads(team_size(threads, n))
   {
-    std::vector<float> fbuf(DT == kFloat32 && runs.run == 0 ? 0 : G);
+    std::vector<float> fbuf((DT == kFloat32 && runs.run == 0) || tiled ? 0 : G);
     std::vector<uint8_t> qbuf(B == 8 ? 0 : G + kChunk, 0);
     std::vector<uint64_t> words(8 % B == 0 ? 0 : G / kChunk + 1);  // NOTE [odd widths]
-    const bool tiled = runs.run != 0 && runs.inner == 1 && runs.channels % kTileChannels == 0;
     std::vector<float> tile(tiled ? kTileChannels * G : 0);  // NOTE [channel tiles]
 #pragma omp for schedule(dynamic, kGroupsPerTask)
     for (int64_t t = 0; t < groups; ++t) {

@@ -758,7 +758,7 @@ class DecisionMode(TorchFunctionMode):
         args: Sequence[Any] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        rule = _rule(func, bool(_meters))
+        rule = _rule(func, measuring())
         if rule is None:
             return func(*args, **kwargs) if kwargs else func(*args)
         kwargs = kwargs or {}
