@@ -101,17 +101,32 @@ def test_bytes_are_the_kernel_on_the_channel_block(
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(
-    "shape",
-    [(32, 24, 20, 20), (30, 24, 7, 7), (32, 20, 20, 20)],
-    ids=["tiles, whole runs", "tiles, padded runs", "20 channels: no tiles"],
+    "shape,layout",
+    [
+        ((32, 24, 20, 20), torch.channels_last),
+        ((30, 24, 7, 7), torch.channels_last),
+        ((32, 20, 20, 20), torch.channels_last),
+        ((24, 12, 13, 13), torch.contiguous_format),
+        ((96, 12, 6, 6), torch.contiguous_format),
+    ],
+    ids=[
+        "channels-last, tiles, whole runs",
+        "channels-last, tiles, padded runs",
+        "channels-last, 20 channels: no tiles",
+        "NCHW, 13x13 maps: channel by channel",
+        "NCHW, 6x6 maps: block by block",
+    ],
 )
-def test_large_channel_runs_on_two_threads(shape: tuple[int, ...], dtype: torch.dtype) -> None:
-    """Channels-last tensors large enough for the threaded loops, which visit the groups block
-    by block across channels and gather eight channels at a time (NOTE [group order] and NOTE
-    [channel tiles] in csrc/cpu.cpp): the bytes are the plain kernel's on the channel-major
-    block, and so the same on any number of threads."""
+def test_large_channel_runs_on_two_threads(
+    shape: tuple[int, ...], layout: torch.memory_format, dtype: torch.dtype
+) -> None:
+    """Tensors large enough for the threaded loops, which visit the groups of channels-last
+    and small-map runs block by block across channels, and gather and scatter eight
+    channels-last channels at a time (NOTE [group order] and NOTE [channel tiles] in
+    csrc/cpu.cpp): the bytes and values are the plain kernel's on the channel-major block, and
+    so the same on any number of threads."""
     x = torch.randn(shape, generator=torch.Generator().manual_seed(4)).to(dtype)
-    x = x.contiguous(memory_format=torch.channels_last)
+    x = x.contiguous(memory_format=layout)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
