@@ -19,6 +19,12 @@ error of the round trip in both modes (over the positive elements, mean of a few
 its ratio, beside the expected ((2^b - 1) / (2^b - 2))^2; and the share of positive elements
 the normal grid restores as 0 (the sign flips the mode removes; 0 in the mode, checked).
 
+Channel groups (``quantize(..., channel_dim=1)``) of the feature maps a CNN saves (the ResNet-18
+layout on CIFAR-10 at batch 64, the MNIST example's memory configuration at batch 512), NCHW
+and channels-last, at 4 bits: ``x.clone()``, quantize and dequantize with channel groups, and
+the same tensor in memory-order groups (``channel_dim=None``), the kernels' fastest path, as
+the baseline of what keeping each group inside one channel costs.
+
 Usage:
     python packages/gact-kernels/benchmarks/bench_kernels.py [--json results.json] [--devices cuda]
 """
@@ -318,6 +324,72 @@ def run_zero_exact(args: argparse.Namespace) -> list[dict[str, object]]:
     return rows
 
 
+#: (batch, channels, height, width) of saved feature maps: ResNet-18 layout on 32x32 CIFAR-10 at
+#: batch 64, and the MNIST example's memory configuration at batch 512.
+FEATURE_MAPS = (
+    (64, 64, 32, 32), (64, 128, 16, 16), (64, 256, 8, 8), (64, 512, 4, 4),
+    (512, 16, 28, 28), (512, 32, 14, 14), (512, 64, 7, 7),
+)  # fmt: skip
+
+
+def bench_channels(x: torch.Tensor, bits: int, repeats: int) -> dict[str, object]:
+    q = gact_kernels.quantize(x, bits, seed=1, channel_dim=1)
+    flat = gact_kernels.quantize(x, bits, seed=1)
+    ms = median_seconds(
+        {
+            "copy": x.clone,
+            "quantize": lambda: gact_kernels.quantize(x, bits, seed=1, channel_dim=1),
+            "dequantize": lambda: gact_kernels.dequantize(q),
+            "quantize_flat": lambda: gact_kernels.quantize(x, bits, seed=1),
+            "dequantize_flat": lambda: gact_kernels.dequantize(flat),
+        },
+        x.device,
+        repeats,
+    )
+    cl = (
+        x.dim() == 4
+        and not x.is_contiguous()
+        and x.is_contiguous(memory_format=torch.channels_last)
+    )
+    return {
+        "device": x.device.type,
+        "dtype": str(x.dtype).replace("torch.", ""),
+        "bits": bits,
+        "shape": list(x.shape),
+        "layout": "channels_last" if cl else "nchw",
+        "grouping": "channel runs" if q.channel_dim is not None else f"planes of {q.group_size}",
+        **{f"{name}_ms": 1e3 * t for name, t in ms.items()},
+    }
+
+
+def run_channels(args: argparse.Namespace) -> list[dict[str, object]]:
+    rows = []
+    for device in _devices(args):
+        for name in args.dtypes:
+            for shape in FEATURE_MAPS:
+                x = torch.randn(shape, device=device).to(DTYPES[name])
+                for layout in (torch.contiguous_format, torch.channels_last):
+                    rows.append(bench_channels(x.contiguous(memory_format=layout), 4, args.repeats))
+                    print_channel_row(rows[-1])
+    return rows
+
+
+CHANNEL_HEADER = (
+    f"{'device':6} {'dtype':8} {'shape':>16} {'layout':13} {'grouping':15} {'copy ms':>8} "
+    f"{'quant ms':>9} {'deq ms':>8} {'flat q ms':>9} {'flat dq ms':>10}"
+)
+
+
+def print_channel_row(r: dict[str, object]) -> None:
+    shape = "x".join(str(d) for d in r["shape"])  # type: ignore[union-attr]
+    print(
+        f"{r['device']:6} {r['dtype']:8} {shape:>16} {r['layout']:13} {r['grouping']:15} "
+        f"{r['copy_ms']:8.2f} {r['quantize_ms']:9.2f} {r['dequantize_ms']:8.2f} "
+        f"{r['quantize_flat_ms']:9.2f} {r['dequantize_flat_ms']:10.2f}",
+        flush=True,
+    )
+
+
 def summarise(rows: list[dict[str, object]]) -> None:
     for device in sorted({r["device"] for r in rows}):
         mine = [r for r in rows if r["device"] == device]
@@ -356,7 +428,7 @@ def main() -> None:
         "--zx-seeds", type=int, default=3, help="seeds averaged in the zero-exact MSE"
     )
     parser.add_argument(
-        "--only", choices=["quantize", "ints", "zero_exact"], help="run one part only"
+        "--only", choices=["quantize", "ints", "zero_exact", "channels"], help="run one part only"
     )
     parser.add_argument(
         "--devices", nargs="+", choices=["cpu", "cuda"], default=["cpu", "cuda"],
@@ -366,7 +438,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads")
-    rows, int_rows, zx_rows = [], [], []
+    rows, int_rows, zx_rows, channel_rows = [], [], [], []
     if args.only in (None, "quantize"):
         print(HEADER)
         rows = run(args)
@@ -377,11 +449,20 @@ def main() -> None:
     if args.only in (None, "zero_exact"):
         print(ZX_HEADER)
         zx_rows = run_zero_exact(args)
+    if args.only in (None, "channels"):
+        print(CHANNEL_HEADER)
+        channel_rows = run_channels(args)
     if args.json:
         meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), **vars(args)}
         with open(args.json, "w") as f:
             json.dump(
-                {"meta": meta, "rows": rows, "int_rows": int_rows, "zero_exact_rows": zx_rows},
+                {
+                    "meta": meta,
+                    "rows": rows,
+                    "int_rows": int_rows,
+                    "zero_exact_rows": zx_rows,
+                    "channel_rows": channel_rows,
+                },
                 f,
                 indent=2,
             )
