@@ -234,10 +234,12 @@ inline StreamKey dequantize_key(uint64_t seed) { return split_key(mix64(mix64(se
 GACT_HD uint32_t stream_high(StreamKey key, uint64_t e) {
   return static_cast<uint32_t>(e >> 32) * kHighMul + key.k1;
 }
-// 32 random bits for the element whose index has low 32 bits `e_low`. 32-bit arithmetic only
-// (cheap in SIMD lanes and on GPUs); lowbias32 finaliser.
-GACT_HD uint32_t hash32(StreamKey key, uint32_t high, uint32_t e_low) {
-  uint32_t h = ((e_low * kLowMul) ^ high) + key.k0;
+// 32 random bits for the element whose index has low 32 bits `e_low`, given as its product
+// `low_mul` = e_low * kLowMul (mod 2^32): loops over consecutive elements carry that product as
+// a sum (+ kLowMul per element), which vectorises without a multiply and without 64-bit index
+// arithmetic. 32-bit arithmetic only (cheap in SIMD lanes and on GPUs); lowbias32 finaliser.
+GACT_HD uint32_t hash32_of_product(StreamKey key, uint32_t high, uint32_t low_mul) {
+  uint32_t h = (low_mul ^ high) + key.k0;
   h ^= h >> 16;
   h *= kFin1;
   h ^= h >> 15;
@@ -245,10 +247,16 @@ GACT_HD uint32_t hash32(StreamKey key, uint32_t high, uint32_t e_low) {
   h ^= h >> 16;
   return h;
 }
-// u in [0, 1) with 24 random bits.
-GACT_HD float uniform24(StreamKey key, uint32_t high, uint32_t e_low) {
-  const uint32_t h = hash32(key, high, e_low);
+GACT_HD uint32_t hash32(StreamKey key, uint32_t high, uint32_t e_low) {
+  return hash32_of_product(key, high, e_low * kLowMul);
+}
+// u in [0, 1) with 24 random bits, from hash32_of_product.
+GACT_HD float uniform24_of_product(StreamKey key, uint32_t high, uint32_t low_mul) {
+  const uint32_t h = hash32_of_product(key, high, low_mul);
   return static_cast<float>(static_cast<int32_t>(h >> 8)) * 5.9604644775390625e-08f /* 2^-24 */;
+}
+GACT_HD float uniform24(StreamKey key, uint32_t high, uint32_t e_low) {
+  return uniform24_of_product(key, high, e_low * kLowMul);
 }
 
 // ---- quantisation ------------------------------------------------------------------------------

@@ -55,9 +55,10 @@ GACT_SIMD GroupParams params_of(const float* __restrict xs, int64_t m, float lev
 // Codes of m elements whose indices have constant high 32 bits.
 GACT_SIMD void codes_run(const float* __restrict xs, int64_t m, GroupParams p, float levels,
                          StreamKey key, uint32_t high, uint32_t e_low, uint8_t* __restrict q) {
-  for (int64_t j = 0; j < m; ++j) {
-    const uint32_t e = e_low + static_cast<uint32_t>(j);
-    q[j] = static_cast<uint8_t>(quantize_one(xs[j], p.lo, p.scale, levels, uniform24(key, high, e)));
+  uint32_t low = e_low * kLowMul;  // the element's hash input, carried as a sum
+  for (int64_t j = 0; j < m; ++j, low += kLowMul) {
+    q[j] = static_cast<uint8_t>(
+        quantize_one(xs[j], p.lo, p.scale, levels, uniform24_of_product(key, high, low)));
   }
 }
 // Same on the zero-exact grid (p.zero_exact; `levels` is still 2^b - 1).
@@ -65,10 +66,10 @@ GACT_SIMD void codes_run_zero_exact(const float* __restrict xs, int64_t m, Group
                                     float levels, float tiny, StreamKey key, uint32_t high,
                                     uint32_t e_low, uint8_t* __restrict q) {
   const float top = f_sub(levels, 1.0f);
-  for (int64_t j = 0; j < m; ++j) {
-    const uint32_t e = e_low + static_cast<uint32_t>(j);
+  uint32_t low = e_low * kLowMul;  // as in codes_run
+  for (int64_t j = 0; j < m; ++j, low += kLowMul) {
     q[j] = static_cast<uint8_t>(
-        quantize_zero_exact_one(xs[j], tiny, p.scale, top, uniform24(key, high, e)));
+        quantize_zero_exact_one(xs[j], tiny, p.scale, top, uniform24_of_product(key, high, low)));
   }
 }
 
@@ -217,8 +218,9 @@ inline void levels_of(const uint8_t* q, int64_t m, float lo, float scale, bool z
 template <int DT>
 GACT_SIMD void round_run(const float* __restrict v, int64_t m, StreamKey key, uint32_t high,
                          uint32_t e_low, uint16_t* __restrict out) {
-  for (int64_t j = 0; j < m; ++j) {
-    out[j] = Elem<DT>::store(v[j], hash32(key, high, e_low + static_cast<uint32_t>(j)));
+  uint32_t low = e_low * kLowMul;  // as in codes_run
+  for (int64_t j = 0; j < m; ++j, low += kLowMul) {
+    out[j] = Elem<DT>::store(v[j], hash32_of_product(key, high, low));
   }
 }
 
