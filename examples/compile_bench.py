@@ -9,10 +9,16 @@ allocations: what a perfect allocator would hold, as ``max_memory_allocated`` on
 times, the held-out loss and accuracy at the end, what GACT stored, the compiled save sites it
 compressed and kept, and the graphs dynamo compiled. The table gives each run's mean training
 loss over the last ``--tail`` steps against the eager run of its level, and its peak against the
-fp32 run of its backend. Runs are sequential: take step-time ratios from ``speed_bench.py
+fp32 run of its backend. With several ``--seeds`` (initial weights and GACT's rounding streams;
+the batches stay the same), every run is repeated per seed, compared with the eager run of its
+level and seed, and a summary gives each compiled run's difference from eager over the seeds
+(mean, standard deviation, and its standard error): a difference that compiling alone makes
+shows in the fp32 rows. Runs are sequential: take step-time ratios from ``speed_bench.py
 --compile`` (interleaved), not from here.
 
     python examples/compile_bench.py --data ../shared/data --models gpt2,resnet18 --steps 200
+    python examples/compile_bench.py --data ../shared/data --models resnet18 --steps 200 \
+        --seeds 0,1,2 --runs eager:L2,inductor:L2,eager:fp32,inductor:fp32
     python examples/compile_bench.py --data ../shared/data --models mnist,char-gpt --steps 4 \
         --runs eager:fp32,eager:L1,inductor:fp32,inductor:L1,aot_eager:fp32,aot_eager:L1
 """
@@ -20,6 +26,7 @@ fp32 run of its backend. Runs are sequential: take step-time ratios from ``speed
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from collections.abc import Sequence
@@ -33,16 +40,23 @@ from gact_examples.workloads import parse_models, workload
 
 
 def train(
-    name: str, data: str, level: str, backend: str | None, steps: int, peak_step: int
+    name: str,
+    data: str,
+    level: str,
+    backend: str | None,
+    steps: int,
+    peak_step: int,
+    seed: int = 0,
 ) -> dict[str, Any]:
     """One run: ``steps`` steps of model ``name`` at ``level`` (``fp32``: no GACT), compiled
-    with ``backend`` (``None``: eager)."""
+    with ``backend`` (``None``: eager), from the weights and rounding streams of ``seed``."""
     torch._dynamo.reset()
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     work = workload(name, data)
     if backend is not None:
         work.model.compile(backend=backend)
-    ctl = None if level == "fp32" else Controller(work.model, GactConfig.from_level(level))
+    config = None if level == "fp32" else GactConfig.from_level(level, seed=seed)
+    ctl = None if config is None else Controller(work.model, config)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     losses, times, peak = [], [], None
     if ctl is not None:
@@ -76,6 +90,7 @@ def train(
         "run": f"{backend or 'eager'} {level}",
         "backend": backend,
         "level": level,
+        "seed": seed,
         "losses": losses,
         "peak_bytes": peak,
         "step_s": statistics.median(times[1:]) if steps > 1 else times[0],
@@ -94,23 +109,32 @@ def train(
     return record
 
 
-def table(records: list[dict[str, Any]], tail: int = 20) -> str:
-    lines = [
-        f"| model | run | loss, last {tail} steps | vs eager | held-out loss | live peak | "
-        "fp32 / run | stored ratio | compiled sites stored / kept | graphs | step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    eager = {
-        (r["model"], r["level"]): statistics.fmean(r["losses"][-tail:])
+def _tail_means(records: list[dict[str, Any]], tail: int) -> dict[tuple, float]:
+    """Each eager run's mean loss over its last ``tail`` steps, by (model, level, seed)."""
+    return {
+        (r["model"], r["level"], r["seed"]): statistics.fmean(r["losses"][-tail:])
         for r in records
         if r["backend"] is None
     }
-    fp32 = {(r["model"], r["backend"]): r["peak_bytes"] for r in records if r["level"] == "fp32"}
+
+
+def table(records: list[dict[str, Any]], tail: int = 20) -> str:
+    lines = [
+        f"| model | run | seed | loss, last {tail} steps | vs eager | held-out loss | live peak | "
+        "fp32 / run | stored ratio | compiled sites stored / kept | graphs | step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    eager = _tail_means(records, tail)
+    fp32 = {
+        (r["model"], r["backend"], r["seed"]): r["peak_bytes"]
+        for r in records
+        if r["level"] == "fp32"
+    }
     for r in records:
         mean = statistics.fmean(r["losses"][-tail:])
-        ref = eager.get((r["model"], r["level"]))
+        ref = eager.get((r["model"], r["level"], r["seed"]))
         versus = "-" if ref is None else f"{100 * (mean / ref - 1):+.2f}%"
-        peak, base = r["peak_bytes"], fp32.get((r["model"], r["backend"]))
+        peak, base = r["peak_bytes"], fp32.get((r["model"], r["backend"], r["seed"]))
         shown = "-" if peak is None else f"{peak / (1 << 20):.0f} MiB"
         against = "-" if peak is None or base is None else f"{base / peak:.2f}x"
         ratio = f"{r['ratio']:.2f}x" if "ratio" in r else "-"
@@ -120,11 +144,39 @@ def table(records: list[dict[str, Any]], tail: int = 20) -> str:
             else "-"
         )
         lines.append(
-            f"| {r['model']} | {r['run']} | {mean:.4f} | {versus} | {r['heldout_loss']:.4f} | "
-            f"{shown} | {against} | {ratio} | {sites} | {r['graphs']} | "
+            f"| {r['model']} | {r['run']} | {r['seed']} | {mean:.4f} | {versus} | "
+            f"{r['heldout_loss']:.4f} | {shown} | {against} | {ratio} | {sites} | {r['graphs']} | "
             f"{1e3 * r['step_s']:.0f} ms |"
         )
     return "\n".join(lines)
+
+
+def differences(records: list[dict[str, Any]], tail: int = 20) -> list[dict[str, Any]]:
+    """Per model and compiled run: its loss over the last ``tail`` steps against the eager run
+    of its level and seed, in percent, over the seeds that have both (mean, standard deviation,
+    standard error of the mean; the last two ``nan`` for a single seed)."""
+    eager = _tail_means(records, tail)
+    by_run: dict[tuple[str, str], list[float]] = {}
+    for r in records:
+        ref = eager.get((r["model"], r["level"], r["seed"]))
+        if r["backend"] is not None and ref is not None:
+            mean = statistics.fmean(r["losses"][-tail:])
+            by_run.setdefault((r["model"], r["run"]), []).append(100 * (mean / ref - 1))
+    rows = []
+    for (model, run), diffs in by_run.items():
+        sd = statistics.stdev(diffs) if len(diffs) > 1 else math.nan
+        rows.append(
+            {
+                "model": model,
+                "run": run,
+                "seeds": len(diffs),
+                "percent": diffs,
+                "mean": statistics.fmean(diffs),
+                "sd": sd,
+                "se": sd / math.sqrt(len(diffs)),
+            }
+        )
+    return rows
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
@@ -136,6 +188,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--peak-step", type=int, default=2, help="the step whose peak is measured")
     p.add_argument("--tail", type=int, default=20, help="steps averaged for the table's loss")
+    p.add_argument("--seeds", default="0", help="comma-separated seeds (weights and rounding)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -145,12 +198,24 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         raise ValueError(f"--runs takes BACKEND:LEVEL pairs, got {args.runs!r}")
     if args.threads:
         torch.set_num_threads(args.threads)
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     records = []
     for name in models:
-        for backend, level in runs:
-            compiled = None if backend == "eager" else backend
-            records.append(train(name, args.data, level, compiled, args.steps, args.peak_step))
-            print(table(records[-1:], args.tail).splitlines()[-1], flush=True)
+        for seed in seeds:
+            for backend, level in runs:
+                compiled = None if backend == "eager" else backend
+                records.append(
+                    train(name, args.data, level, compiled, args.steps, args.peak_step, seed)
+                )
+                print(table(records[-1:], args.tail).splitlines()[-1], flush=True)
+    for d in differences(records, args.tail):
+        print(
+            f"{d['model']} {d['run']} vs eager over {d['seeds']} seed(s): {d['mean']:+.2f}% "
+            f"(sd {d['sd']:.2f}, se {d['se']:.2f}; per seed "
+            + ", ".join(f"{v:+.2f}%" for v in d["percent"])
+            + ")",
+            flush=True,
+        )
     publish(records, lambda rs: table(rs, args.tail), lambda rs, path: None,
             json_path=args.json, plot_path=None)  # fmt: skip
     return records

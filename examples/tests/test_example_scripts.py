@@ -444,6 +444,33 @@ def test_compile_bench(data_root, tmp_path, script):
         bench.main(["--data", str(data_root), "--models", "mnist", "--runs", "L1"])
 
 
+def test_compile_bench_seeds(data_root, script):
+    """--seeds repeats every run per seed (weights and rounding streams), each compared with the
+    eager run of its level and seed; differences() summarises the compiled runs over seeds."""
+    bench = script("compile_bench.py")
+    argv = ["--data", str(data_root), "--models", "mnist", "--steps", "2", "--tail", "1"]
+    records = bench.main([*argv, "--runs", "eager:L1", "--seeds", "0,1"])
+    assert [r["seed"] for r in records] == [0, 1]
+    assert records[0]["losses"] != records[1]["losses"]  # other weights, other rounding
+
+    def run(backend, seed, tail_loss):
+        return {"model": "m", "run": f"{backend or 'eager'} L2", "backend": backend,
+                "level": "L2", "seed": seed, "losses": [9.0, tail_loss]}  # fmt: skip
+
+    fake = [
+        run(None, 0, 2.0),
+        run("inductor", 0, 2.02),
+        run(None, 1, 4.0),
+        run("inductor", 1, 3.96),
+    ]
+    (d,) = bench.differences(fake, tail=1)
+    assert d["run"] == "inductor L2" and d["seeds"] == 2
+    assert d["percent"] == pytest.approx([1.0, -1.0]) and d["mean"] == pytest.approx(0.0)
+    assert d["sd"] == pytest.approx(math.sqrt(2)) and d["se"] == pytest.approx(1.0)
+    (single,) = bench.differences(fake[:2], tail=1)
+    assert single["mean"] == pytest.approx(1.0) and math.isnan(single["sd"])
+
+
 def test_compare(data_root, tmp_path, script):
     """compare.py: one process per method, both peaks, the table with its Pareto marks."""
     compare = script("compare.py")
