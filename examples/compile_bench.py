@@ -198,7 +198,12 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         raise ValueError(f"--runs takes BACKEND:LEVEL pairs, got {args.runs!r}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        seeds = []
+    if not seeds or min(seeds) < 0:
+        raise ValueError(f"--seeds takes comma-separated integers >= 0, got {args.seeds!r}")
     records = []
     for name in models:
         for seed in seeds:

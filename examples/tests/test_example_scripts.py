@@ -469,6 +469,9 @@ def test_compile_bench_seeds(data_root, script):
     assert d["sd"] == pytest.approx(math.sqrt(2)) and d["se"] == pytest.approx(1.0)
     (single,) = bench.differences(fake[:2], tail=1)
     assert single["mean"] == pytest.approx(1.0) and math.isnan(single["sd"])
+    for bad in ("", "0,x", "-1"):
+        with pytest.raises(ValueError, match="--seeds takes comma-separated integers"):
+            bench.main([*argv, "--runs", "eager:L1", "--seeds", bad])
 
 
 def test_compare(data_root, tmp_path, script):
