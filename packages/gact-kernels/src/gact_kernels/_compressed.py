@@ -43,6 +43,10 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
+# per container class: field name -> its slot's setter (``Compressed._built``)
+_SETTERS: dict[type, dict[str, Any]] = {}
+
+
 class Compressed(abc.ABC):
     """A compressed tensor produced by gact_kernels; :func:`decompress` restores any of them.
 
@@ -70,9 +74,14 @@ class Compressed(abc.ABC):
         """A container from this package's compressing functions, whose buffers were allocated
         to the shapes the metadata implies: not re-validated (NOTE [container invariants]).
         Every field must be given."""
+        setters = _SETTERS.get(cls)
+        if setters is None:  # the slots' own setters: a frozen dataclass refuses setattr
+            setters = _SETTERS[cls] = {
+                f.name: getattr(cls, f.name).__set__ for f in dataclasses.fields(cls)
+            }
         obj = object.__new__(cls)
         for name, value in fields.items():
-            object.__setattr__(obj, name, value)
+            setters[name](obj, value)
         return obj
 
     def _with(self: C, **changes: Any) -> C:

@@ -82,7 +82,8 @@ def lossless_groups(
     flat: torch.Tensor, scale: torch.Tensor, group_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Indices and raw elements of the groups flagged by a NaN scale in ``flat`` (the
-    quantized block in memory order); on CUDA the ``nonzero`` synchronises."""
+    quantized block in memory order: 1-D, or contiguous); on CUDA the ``nonzero`` synchronises."""
+    flat = flat.view(-1)
     groups = torch.isnan(scale).nonzero().flatten()
     return groups, flat[element_index(groups, group_size, flat.numel())]
 

@@ -287,7 +287,8 @@ def quantize_async(
     group_size = check_group_size(group_size)
     seed = check_seed(seed)
     zero_exact = check_zero_exact(zero_exact, bits)
-    x = x.detach()
+    if x.requires_grad:  # a pending call holds it: never its autograd graph
+        x = x.detach()
     device = x.device
     if channel_dim is not None:
         channel_dim = check_channel_dim(channel_dim, x.dim())
@@ -298,8 +299,10 @@ def quantize_async(
             group_size, channel_dim = plane, None  # memory order keeps groups inside channels
     runs = None  # the CPU kernels read channel runs in place: no copy (NOTE [channel groups])
     if channel_dim is None:
-        flat, stride = memory_order(x)
-        n = flat.numel()
+        # the common case, read in place without a flat view (NOTE [memory order]); blocks
+        # reach torch indexing through lossless_groups, which flattens them
+        flat, stride = (x, x.stride()) if x.is_contiguous() and not x.is_neg() else memory_order(x)
+        n = x.numel()
     else:
         group_size, padded = channel_grouping(x.shape, channel_dim, group_size)
         stride = restore_stride(x)

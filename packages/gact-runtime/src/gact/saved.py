@@ -437,8 +437,12 @@ class SaveHooks:
 
     def owner(self) -> SaveHooks | None:
         """The hooks whose model's forward is running on this thread (NOTE [Owners])."""
+        installed = installed_hooks()
+        if len(installed) <= 1:  # the common case: one controller on this thread
+            hooks = installed[0] if installed else self
+            return hooks if hooks.tracker.entered() else None
         best, tick = None, 0
-        for hooks in installed_hooks() or (self,):
+        for hooks in installed:
             entered = hooks.tracker.entered()
             if entered > tick:
                 best, tick = hooks, entered
