@@ -7,6 +7,7 @@ import logging
 import math
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -23,7 +24,7 @@ from .plan import BitPlan, mix_seed
 from .probes import ProbeSession
 from .saved import SaveHooks
 
-__all__ = ["Adapter", "Items", "rank_zeros"]
+__all__ = ["Adapter", "Items", "preference_tiers", "rank_zeros"]
 
 logger = logging.getLogger("gact")
 
@@ -44,8 +45,9 @@ class Items:
             decisions] in decisions.py), the saving call's ``min_bits`` (6 for fused attention:
             NOTE [Attention and row normalisations]), else 1.
         pinned: 1 for two-valued items (NOTE [Two-valued tensors]), else 0 (free).
-        preferred: the width each item takes at least where the budget holds every item's
-            (``lower``, or 2 more on small maps: NOTE [Small maps] in decisions.py).
+        preferred: the width each item takes at least where the budget holds it (``lower``,
+            or 2 more on small maps: NOTE [Small maps] in decisions.py), yielding a bit at a
+            time where it does not (NOTE [Preference tiers]).
         fixed_bytes: bytes the step stores outside the items (kept tensors, masks, packs).
     """
 
@@ -367,7 +369,7 @@ class Adapter:
             budget = cfg.memory_budget - items.fixed_bytes - 16 * len(items.keys)
             budget_bits, limit = 8 * budget, {"avg_bits": None, "budget_bytes": budget}
         least = 0
-        for lower in (items.preferred, items.lower):  # preferred widths yield to the budget
+        for lower in preference_tiers(items.preferred, items.lower):
             costs = dict(
                 full_bits=items.full_bits,
                 overhead_bits=items.overhead_bits,
@@ -411,6 +413,22 @@ class Adapter:
         return gact_policy.pairwise_sensitivity(
             grad, bits, num_probes=probes, seed=seed, stderr=True
         )
+
+
+# NOTE [Preference tiers]
+# Preferred widths (NOTE [Small maps] in decisions.py) yield to the budget a bit at a time: the
+# allocation takes the first of ``preferred``, ``preferred - 1``, ... (never below ``lower``)
+# whose smallest storage fits, and allocates the rest of the budget above it by sensitivity.
+# Yielding all at once dropped every small map's extra bits as soon as the level or the
+# ``memory_budget`` could not hold all of them, although part of them fitted.
+
+
+def preference_tiers(preferred: np.ndarray, lower: np.ndarray) -> Iterator[np.ndarray]:
+    """The lower bounds an allocation tries in turn (NOTE [Preference tiers]): ``preferred``
+    lowered by 0, 1, 2 ... bits, never below ``lower``; the last is ``lower`` itself."""
+    steps = int((preferred - lower).max(initial=0))
+    for k in range(steps + 1):
+        yield np.maximum(lower, preferred - k)
 
 
 def rank_zeros(value: Any) -> Any:

@@ -397,10 +397,11 @@ def _attention(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | No
 # At adaptive levels the extra bits are a *preferred* width (``SiteRecord.preferred_bits``),
 # not a floor like fused attention's 6 bits: they reduce variance, not a bias, and an adaptive
 # level promises its budget. The allocation gives those saves their preferred widths where
-# the level's average (or ``memory_budget``) holds every one of them, and otherwise allocates
-# from the hard lower bounds alone (L2.2 on that ResNet: its preferred widths average 3.2 bits
-# per element, metadata included); ``SaveHooks._compress`` applies a preferred width only to
-# the saves no allocation has placed yet.
+# the level's average (or ``memory_budget``) holds them, lowered a bit at a time where it does
+# not, down to the hard lower bounds (NOTE [Preference tiers] in adapt.py; L2.2 on that ResNet
+# gets the lower bounds: its preferred widths average 3.2 bits per element, metadata included);
+# ``SaveHooks._compress`` applies a preferred width only to the saves no allocation has placed
+# yet.
 SMALL_MAP = 1024  # elements per channel at most
 SMALL_MAP_EXTRA_BITS = 2  # bits above the level's
 BATCH_NORM_EXTRA_BITS = 4  # bits above the level's, for a BatchNorm's input
