@@ -8,9 +8,11 @@ near the edge of fp32's stable learning rates, at every level and seed.
   sequence), from the same ``transformers`` configs (2 layers of width 64), AdamW.
 
 The record of each run says whether and when the loss became NaN, its final loss (mean of the
-last ``--tail`` steps) and its largest gradient norm. With ``--variance-steps``, the L1 runs also
-measure, at those steps and per parameter, the variance that rounding adds to the gradient over
-the minibatch variance (the premise of GACT's analysis: it should be small), and with
+last ``--tail`` steps) and its largest gradient norm. With ``--variance-steps``, the runs of
+``--variance-levels`` (L1 by default) also measure, at those steps and per parameter, the
+variance that rounding adds to the gradient over the minibatch variance (the premise of GACT's
+analysis: it should be small; an adaptive level's runs round with their own allocation of the
+moment), and with
 ``--channel-error-steps`` each 4-D save's worst per-channel rounding error at 4 bits in both
 group layouts (what BatchNorm divides by the channel's spread). ``--layout memory``
 groups in memory order, as the original GACT did (``GactConfig(channel_groups=False)``).
@@ -155,12 +157,14 @@ def variance_ratios(
     *,
     minibatches: int = 32,
     rounding_batches: int = 4,
+    bits: dict[str, int] | None = None,
 ) -> dict[str, float]:
     """Per parameter, the quantization variance of the gradient at ``config`` (over ``draws``
     rounding seeds on a batch, averaged over ``rounding_batches`` batches) over the minibatch
     variance (fp32, over ``minibatches`` batches of the same size), both at the model's current
     weights, in train mode. Parameters whose minibatch variance is below 1e-12 of the largest (a
-    gradient identically zero) are left out.
+    gradient identically zero) are left out. ``bits``: an adaptive level's allocation (its
+    ``plan.bits``), which the rounding then uses instead of the level's first-step widths.
 
     Some parameters' minibatch gradients are heavy-tailed (a few batches make most of their
     spread), and a handful of batches then usually underestimates their variance: on the
@@ -177,7 +181,9 @@ def variance_ratios(
         batch = next(batches)
         rounded = []
         for r in range(draws):
-            with Controller(probe, config.replace(seed=1000 * seed + r)):
+            with Controller(probe, config.replace(seed=1000 * seed + r)) as controller:
+                if bits is not None:
+                    controller.plan.bits = dict(bits)
                 rounded.append(_grads(probe, task, batch))
         for name, value in _spread(rounded).items():
             rounding[name] = rounding.get(name, 0.0) + value / rounding_batches
@@ -221,7 +227,8 @@ def train(task: Task, level: str, seed: int, lr: float, args: argparse.Namespace
     batches = task.batches(torch.Generator().manual_seed(seed))
     config = GactConfig.from_level(level, seed=seed, channel_groups=args.layout == "channel")
     controller = Controller(model, config)
-    probe_at = {int(s) for s in args.variance_steps.split(",") if s} if level == "L1" else set()
+    measured = level in args.variance_levels.split(",")
+    probe_at = {int(s) for s in args.variance_steps.split(",") if s} if measured else set()
     errors_at = (
         {int(s) for s in args.channel_error_steps.split(",") if s} if level == "L1" else set()
     )
@@ -238,6 +245,7 @@ def train(task: Task, level: str, seed: int, lr: float, args: argparse.Namespace
                     ratios[step] = variance_ratios(
                         model, task, config, args.variance_draws, seed,
                         minibatches=args.minibatch_draws, rounding_batches=args.rounding_batches,
+                        bits=dict(controller.plan.bits) if config.spec.adaptive else None,
                     )  # fmt: skip
             if step in errors_at:
                 with controller.paused():
@@ -298,7 +306,12 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     )  # fmt: skip
     p.add_argument(
         "--variance-steps", default="",
-        help="steps at which L1 runs measure quantization / minibatch variance per parameter",
+        help="steps at which the --variance-levels runs measure quantization / minibatch "
+        "variance per parameter",
+    )  # fmt: skip
+    p.add_argument(
+        "--variance-levels", default="L1",
+        help="levels whose runs measure variance (adaptive ones with their own allocation)",
     )  # fmt: skip
     p.add_argument("--variance-draws", type=int, default=8, help="rounding seeds per batch")
     p.add_argument(

@@ -66,20 +66,21 @@ def _layer(parameter: str) -> str:
 
 
 def variance_table(records: list[dict[str, Any]]) -> str:
-    """Per model and learning rate, per layer and measured step: the largest ratio of rounding
-    variance to minibatch variance over the layer's parameters and the seeds."""
-    worst: dict[tuple[str, float], dict[str, dict[int, float]]] = defaultdict(
+    """Per model, learning rate and level, per layer and measured step: the largest ratio of
+    rounding variance to minibatch variance over the layer's parameters and the seeds."""
+    worst: dict[tuple[str, float, int, str], dict[str, dict[int, float]]] = defaultdict(
         lambda: defaultdict(dict)
     )
     for r in records:
+        order = LEVEL_ORDER.index(r["level"]) if r["level"] in LEVEL_ORDER else len(LEVEL_ORDER)
         for step, ratios in r.get("variance_ratios", {}).items():
             for name, ratio in ratios.items():
-                cell = worst[(r["model"], r["lr"])][_layer(name)]
+                cell = worst[(r["model"], r["lr"], order, r["level"])][_layer(name)]
                 cell[int(step)] = max(cell.get(int(step), 0.0), ratio)
     out = []
-    for (model, lr), layers in sorted(worst.items()):
+    for (model, lr, _, level), layers in sorted(worst.items()):
         steps = sorted({s for cells in layers.values() for s in cells})
-        out.append(f"{model}, lr {lr:g} (L1, largest over parameters and seeds):\n")
+        out.append(f"{model}, lr {lr:g} ({level}, largest over parameters and seeds):\n")
         out.append("| layer | " + " | ".join(f"step {s}" for s in steps) + " |")
         out.append("|---|" + "---|" * len(steps))
         for layer, cells in layers.items():

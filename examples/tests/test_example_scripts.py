@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from gact import Controller, GactConfig
 from gact_examples.train import REQUIRED_KEYS, sub_batch_probe
 
 GNN, VISION, TEXT = "gnn/train_gnn.py", "vision/train_vision.py", "text/train_char_gpt.py"
@@ -215,14 +216,15 @@ def test_stability_script(model, data_root, tmp_path, script):
     if model != "resnet18":
         pytest.importorskip("transformers")  # examples[transformers], in tests(examples)
     out = tmp_path / "s.json"
-    argv = ["--data", str(data_root), "--model", model, "--levels", "L0,L1", "--seeds", "0"]
+    argv = ["--data", str(data_root), "--model", model, "--levels", "L0,L1,L2", "--seeds", "0"]
     argv += ["--lrs", "0.001", "--steps", "3", "--batch-size", "4", "--images", "16"]
     argv += ["--variance-steps", "1", "--variance-draws", "2", "--minibatch-draws", "3"]
+    argv += ["--variance-levels", "L1,L2"]
     argv += ["--rounding-batches", "2", "--out", str(out)]
     argv += ["--channel-error-steps", "2"]
     records = script("stability.py").main(argv)
     assert json.loads(out.read_text()) == json.loads(json.dumps(records))
-    fp32, l1 = json.loads(out.read_text())
+    fp32, l1, l2 = json.loads(out.read_text())
     # at batch 4 every map is small: BatchNorm inputs at 8 bits, other saves at 6 (NOTE [Small
     # maps] in decisions.py), so L1 stores 3.7x less on the ResNet
     assert (fp32["level"], l1["level"]) == ("L0", "L1") and l1["ratio"] > 3
@@ -230,6 +232,7 @@ def test_stability_script(model, data_root, tmp_path, script):
         assert rec["first_nan_step"] is None and len(rec["losses"]) == 3
         assert math.isfinite(rec["final_loss"]) and rec["max_grad_norm"] > 0
     assert not fp32["variance_ratios"]
+    assert set(l2["variance_ratios"]["1"]) == set(l1["variance_ratios"]["1"])
     ratios = l1["variance_ratios"]["1"]
     assert (
         len(ratios) > 4
@@ -241,6 +244,29 @@ def test_stability_script(model, data_root, tmp_path, script):
         assert errors and all(e["channel"] < 1.0 for e in errors)
         assert max(e["memory"] for e in errors) > max(e["channel"] for e in errors)
     assert not fp32["channel_errors"]
+
+
+def test_stability_variance_of_an_adaptive_level_uses_its_allocation(data_root, script):
+    """stability.py's ``variance_ratios(bits=...)``: rounding with an adaptive level's allocation
+    (its ``plan.bits``), not its first-step widths. Every save at 1 bit adds far more gradient
+    variance than every save at 8 bits."""
+    stability = script("stability.py")
+    args = argparse.Namespace(data=str(data_root), images=16, batch_size=4)
+    task = stability.make_task("resnet18", args)
+    torch.manual_seed(0)
+    model = task.build()
+    config = GactConfig.from_level("L2")
+    with Controller(model, config) as controller:  # the keys of the model's saves
+        task.loss(model, next(task.batches(torch.Generator().manual_seed(0)))).backward()
+    keys = list(controller.ledger.current or controller.ledger.last)
+    worst = {}
+    for width in (1, 8):
+        ratios = stability.variance_ratios(
+            model, task, config, 2, 0, minibatches=3, rounding_batches=1,
+            bits=dict.fromkeys(keys, width),
+        )  # fmt: skip
+        worst[width] = max(ratios.values())
+    assert worst[1] > 100 * worst[8] > 0
 
 
 def test_stability_script_records_divergence(data_root, tmp_path, script):
@@ -269,6 +295,7 @@ def test_stability_report(tmp_path, script):
             "L1", 0, 1.1, ratios={"0": {"layer4.1.bn2.weight": 0.05, "layer4.0.conv1.weight": 0.2}}
         ),
         rec("L1", 1, 1.1, ratios={"0": {"layer4.1.bn2.weight": 0.01}}),
+        rec("L2", 0, 1.1, ratios={"0": {"layer4.1.bn2.weight": 0.5}}),
         rec("L1.2", 0, math.nan, nan=7),
         rec("L1.2", 1, math.nan, nan=12),
     ]
@@ -277,7 +304,9 @@ def test_stability_report(tmp_path, script):
     text = script("stability_report.py").main([str(path)])
     assert "| resnet18 | 0.1 | L1 | -, - | 1.100 ± 0.000 | +0.0% | 11 |" in text
     assert "| resnet18 | 0.1 | L1.2 | 7, 12 | diverged |" in text
-    assert "| layer4 | 20.0% |" in text  # the largest over the layer's parameters and seeds
+    # per level, the largest over the layer's parameters and seeds
+    l1, l2 = text.split("(L1, largest")[1].split("(L2, largest")
+    assert "| layer4 | 20.0% |" in l1 and "| layer4 | 50.0% |" in l2
 
 
 def test_memory_bench(data_root, tmp_path, script):
