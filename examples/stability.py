@@ -226,6 +226,9 @@ def train(task: Task, level: str, seed: int, lr: float, args: argparse.Namespace
     optimizer = task.optimizer(model, lr)
     batches = task.batches(torch.Generator().manual_seed(seed))
     config = GactConfig.from_level(level, seed=seed, channel_groups=args.layout == "channel")
+    if args.adapt_budget is not None:  # a fraction, or "none": no time budget
+        budget = args.adapt_budget
+        config = config.replace(adapt_budget=None if budget == "none" else budget)
     controller = Controller(model, config)
     measured = level in args.variance_levels.split(",")
     probe_at = {int(s) for s in args.variance_steps.split(",") if s} if measured else set()
@@ -286,7 +289,21 @@ def train(task: Task, level: str, seed: int, lr: float, args: argparse.Namespace
         },
         "channel_errors": errors,
         "ratio": controller.stats()["ratio"],
+        "adapt_budget": config.adapt_budget,
     }
+
+
+def _budget(text: str) -> float | str:
+    """``--adapt-budget``: a fraction >= 0, or ``"none"``."""
+    if text == "none":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"a fraction >= 0 or 'none', got {text!r}")
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
@@ -325,6 +342,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument(
         "--channel-error-steps", default="",
         help="steps at which L1 runs record each 4-D save's worst per-channel rounding error",
+    )  # fmt: skip
+    p.add_argument(
+        "--adapt-budget", type=_budget, default=None,
+        help="GactConfig.adapt_budget of the adaptive levels ('none': no time budget, so runs "
+        "are reproducible; default: the config's)",
     )  # fmt: skip
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--out", default="stability.json")

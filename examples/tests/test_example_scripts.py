@@ -219,7 +219,7 @@ def test_stability_script(model, data_root, tmp_path, script):
     argv = ["--data", str(data_root), "--model", model, "--levels", "L0,L1,L2", "--seeds", "0"]
     argv += ["--lrs", "0.001", "--steps", "3", "--batch-size", "4", "--images", "16"]
     argv += ["--variance-steps", "1", "--variance-draws", "2", "--minibatch-draws", "3"]
-    argv += ["--variance-levels", "L1,L2"]
+    argv += ["--variance-levels", "L1,L2", "--adapt-budget", "none"]
     argv += ["--rounding-batches", "2", "--out", str(out)]
     argv += ["--channel-error-steps", "2"]
     records = script("stability.py").main(argv)
@@ -233,6 +233,7 @@ def test_stability_script(model, data_root, tmp_path, script):
         assert math.isfinite(rec["final_loss"]) and rec["max_grad_norm"] > 0
     assert not fp32["variance_ratios"]
     assert set(l2["variance_ratios"]["1"]) == set(l1["variance_ratios"]["1"])
+    assert l2["adapt_budget"] is None
     ratios = l1["variance_ratios"]["1"]
     assert (
         len(ratios) > 4
@@ -276,6 +277,12 @@ def test_stability_script_records_divergence(data_root, tmp_path, script):
     (rec,) = script("stability.py").main(argv)
     assert rec["first_nan_step"] is not None and len(rec["losses"]) == rec["first_nan_step"] + 1
     assert math.isnan(rec["final_loss"])
+
+
+def test_stability_adapt_budget_is_checked(data_root, capsys, script):
+    with pytest.raises(SystemExit) as exc:
+        script("stability.py").main(["--data", str(data_root), "--adapt-budget", "-1"])
+    assert exc.value.code == 2 and "a fraction >= 0 or 'none'" in capsys.readouterr().err
 
 
 def test_stability_report(tmp_path, script):

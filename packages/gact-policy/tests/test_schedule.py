@@ -47,6 +47,20 @@ def test_a_waiting_adaptation_runs_when_affordable() -> None:
     assert not zero.affordable(adapted_seconds=0.0, trained_seconds=1e9, cost_seconds=1e-9)
 
 
+def test_without_a_budget_every_scheduled_adaptation_is_afforded() -> None:
+    """``budget=None`` (NOTE [Adaptation schedule]): no clock reading can hold one back."""
+    free = AdaptationSchedule(interval=100, first_gap=10, budget=None)
+    assert free.affordable(adapted_seconds=1e9, trained_seconds=0.0, cost_seconds=1e9)
+    steps, last = [], None
+    for step in range(250):
+        if free.due(step, last=last) and free.affordable(
+            adapted_seconds=1e9, trained_seconds=1.0, cost_seconds=1e9
+        ):
+            steps.append(step)
+            last = step
+    assert steps == [0, 10, 20, 40, 80, 100, 200]
+
+
 def _overhead(schedule: AdaptationSchedule, seed: int, steps: int = 2000) -> float:
     """Worst ratio of adapting to training time in a simulated run: steps of 1 s ± 20%, every
     adaptation costing 20 s, then up to 25% more or 20% less than the previous one (a shared
@@ -88,6 +102,7 @@ def test_timing_noise_never_breaks_the_budget(seed: int) -> None:
         ({"first_gap": 0}, ValueError),
         ({"budget": -0.1}, ValueError),
         ({"budget": float("nan")}, ValueError),
+        ({"budget": float("inf")}, ValueError),  # None sets no budget
         ({"interval": True}, TypeError),
         ({"budget": "0.05"}, TypeError),
         ({"margin": 0.5}, ValueError),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import types
 import warnings
 
 import gact
@@ -318,6 +319,68 @@ def test_the_time_budget_delays_adaptations() -> None:
     # probes cost about a step each: a 5% budget cannot afford a second adaptation in 30 steps
     cfg = GactConfig.from_level("L2", min_numel=0, adapt_first_gap=1, adapt_budget=0.05)
     assert _adapted_steps(cfg, 30) == []
+
+
+def _run_on_clocks(
+    cfg: GactConfig, monkeypatch: pytest.MonkeyPatch, step_tick: float, adapt_tick: float
+) -> tuple[list[int], dict[str, int], torch.Tensor]:
+    """Adapted steps, final bits and first-layer weights of 30 steps of the MLP case, with the
+    controller's clock advancing ``step_tick`` and the adapter's and meter's ``adapt_tick`` per
+    reading: a machine on which training, or adapting, looks slow."""
+    clocks = {"controller": step_tick, "adapt": adapt_tick, "measured": adapt_tick}
+    for module, tick in clocks.items():
+        now = iter(range(10**9))
+        fake = types.SimpleNamespace(perf_counter=lambda now=now, tick=tick: tick * next(now))
+        monkeypatch.setattr(f"gact.{module}.time", fake)
+    torch.manual_seed(0)
+    model, x, y = make_case("mlp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    closure = make_closure(model, x, y)
+    seen = []
+    with Controller(model, cfg) as controller:
+        for step in range(30):
+            before = controller.adapter.count
+            controller.iterate(closure)
+            opt.step()
+            if controller.adapter.count > before:
+                seen.append(step)
+    return seen, dict(controller.plan.bits), next(model.parameters()).detach().clone()
+
+
+def test_without_a_time_budget_runs_do_not_depend_on_the_clock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NOTE [Adaptation schedule] in gact_policy: with the default budget, a machine on which
+    adapting looks slow adapts at fewer steps than one on which training does (where the
+    sensitivities move, with other bits then); with ``adapt_budget=None`` both runs adapt at the
+    same steps to the same bits and train the same weights, bit for bit."""
+    timed = GactConfig.from_level("L2", min_numel=0, adapt_first_gap=1)
+    fast, slow = (
+        _run_on_clocks(timed, monkeypatch, *ticks) for ticks in ((1.0, 1e-6), (1e-6, 1.0))
+    )
+    # the first adaptation is predicted from the training steps' time; the next ones from the
+    # last adaptation's, which the slow clock makes unaffordable
+    assert fast[0] == [1, 2, 4, 8, 16] and slow[0] == [1]
+    free = timed.replace(adapt_budget=None)
+    a, b = (_run_on_clocks(free, monkeypatch, *ticks) for ticks in ((1.0, 1e-6), (1e-6, 1.0)))
+    assert a[0] == b[0] == [1, 2, 4, 8, 16] and a[1] == b[1] and torch.equal(a[2], b[2])
+
+
+def test_deterministic_torch_is_warned_about_the_time_budget() -> None:
+    model = make_case("mlp")[0]
+    torch.use_deterministic_algorithms(True)
+    try:
+        timed = Controller(model, GactConfig.from_level("L2"))
+        with pytest.warns(GactWarning, match="adapt_budget=None for a reproducible run"):
+            timed.install_hook()
+        timed.uninstall_hook()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", GactWarning)
+            controller = Controller(model, GactConfig.from_level("L2", adapt_budget=None))
+            controller.install_hook()
+            controller.uninstall_hook()
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 def test_cheaper_probes_are_afforded_sooner() -> None:

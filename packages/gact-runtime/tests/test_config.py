@@ -46,6 +46,9 @@ def test_unknown_option_lists_the_valid_ones() -> None:
         ("group_size", 256.0),
         ("compress_checkpoint_inputs", 1),
         ("channel_groups", "yes"),
+        ("adapt_budget", -0.1),
+        ("adapt_budget", float("inf")),
+        ("adapt_budget", "none"),
     ],
 )
 def test_invalid_option_values_raise(field: str, value: object) -> None:

@@ -75,7 +75,10 @@ class GactConfig:
             probes at step 0 and every ``adapt_interval`` steps.
         adapt_budget: probing adaptations (but one at step 0) wait while they would make the
             time spent adapting exceed this fraction of the training time, were they 25% dearer
-            than predicted (``gact_policy.AdaptationSchedule``'s ``margin``).
+            than predicted (``gact_policy.AdaptationSchedule``'s ``margin``). The check reads
+            the clock, so which steps adapt, and the training with them, vary from run to run;
+            ``None`` sets no budget: every scheduled adaptation runs, and a run is reproducible
+            (same seed, same model, same batches: same bits and gradients).
         sensitivity_method: ``"pairwise"`` (``gact_policy.pairwise_sensitivity``: about
             ``sqrt(2L)`` probes for ``L`` tensors, each re-seeding a set of tensors) or ``"probe"``
             (``gact_policy.probe_sensitivity``, the paper's Algorithm 1: ``L + 1`` probes).
@@ -122,7 +125,7 @@ class GactConfig:
     min_numel: int = 1024
     adapt_interval: int = 1000
     adapt_first_gap: int = 10
-    adapt_budget: float = 0.05
+    adapt_budget: float | None = 0.05
     sensitivity_method: str = "pairwise"
     num_probes: int | None = None
     measure_linear: bool = True
@@ -156,8 +159,9 @@ class GactConfig:
         _check_int("min_numel", self.min_numel, 0)
         _check_int("adapt_interval", self.adapt_interval, 1)
         _check_int("adapt_first_gap", self.adapt_first_gap, 0)
-        if not _is_real(self.adapt_budget) or not 0.0 <= self.adapt_budget < float("inf"):
-            raise ConfigError(f"adapt_budget must be a fraction >= 0, got {self.adapt_budget!r}")
+        budget = self.adapt_budget
+        if budget is not None and (not _is_real(budget) or not 0.0 <= budget < float("inf")):
+            raise ConfigError(f"adapt_budget must be a fraction >= 0 or None, got {budget!r}")
         if self.sensitivity_method not in _SENSITIVITY_METHODS:
             raise ConfigError(
                 f"sensitivity_method must be one of {_SENSITIVITY_METHODS}, "

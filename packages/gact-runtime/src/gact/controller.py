@@ -185,6 +185,16 @@ class Controller:
                     "another Controller is already installed on this model; uninstall it "
                     "first (one model, one controller; nested models may have one each)"
                 )
+        cfg = self.config
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        if deterministic and cfg.spec.adaptive and cfg.adapt_budget is not None:
+            self._warn_once(  # NOTE [Adaptation schedule] in gact_policy
+                "reproducible",
+                f"torch.use_deterministic_algorithms is on, but level {cfg.level} decides when "
+                f"to adapt by reading the clock (adapt_budget={cfg.adapt_budget}), so its bits, "
+                "and the gradients, vary from run to run; pass adapt_budget=None for a "
+                "reproducible run (every scheduled adaptation then runs)",
+            )
         self.parameter_filter.refresh()
         is_compiled = self._compiled or getattr(self.model, "_compiled_call_impl", None) is not None
         self.tracker.attach(root_only=is_compiled)  # see NOTE [Compiled forwards] in scope.py
