@@ -96,7 +96,7 @@ def measure(task: str, level: str, args: argparse.Namespace) -> dict[str, Any]:
     model, loss_fn, optimizer = TASKS[task](args.data, device, run)
     sampler = Sampler(device, args.interval)
     # adaptive levels probe from step 1 on, so that the timeline shows an adaptation's peak
-    options = dict(adapt_first_gap=1, adapt_budget=1e9) if LEVELS[level].adaptive else {}
+    options = dict(adapt_first_gap=1, adapt_budget=None) if LEVELS[level].adaptive else {}
     controller = Controller(model, GactConfig.from_level(level, **options))
 
     warmup = [args.compile is not None]  # the first compiled step compiles: not measured

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> dict:
             return loss
 
         times = []
-        forced = dict(adapt_first_gap=1, adapt_budget=1e9) if level == "L2" else {}
+        forced = dict(adapt_first_gap=1, adapt_budget=None) if level == "L2" else {}
         with Controller(model, GactConfig.from_level(level, **forced)) as ctl:
             for _ in range(args.steps):
                 t0 = time.perf_counter()

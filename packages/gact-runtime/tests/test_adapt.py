@@ -307,7 +307,7 @@ def _adapted_steps(cfg: GactConfig, steps: int, probe_fraction: float = 1.0) -> 
 
 def test_adaptations_follow_the_schedule_when_affordable() -> None:
     cfg = GactConfig.from_level(
-        "L2", min_numel=0, adapt_interval=40, adapt_first_gap=5, adapt_budget=1e6
+        "L2", min_numel=0, adapt_interval=40, adapt_first_gap=5, adapt_budget=None
     )
     assert _adapted_steps(cfg, 90) == [5, 10, 20, 40, 80]  # step 0: the prior allocation
 
@@ -445,7 +445,7 @@ def test_relu_outputs_get_at_least_2_bits_within_the_budget(sensitivity_method: 
     x, y = torch.randn(256, 256), torch.randint(0, 4, (256,))
     closure = make_closure(model, x, y)
     gap = 100 if sensitivity_method == "prior" else 1
-    cfg = GactConfig.from_level("L2.2", min_numel=0, adapt_first_gap=gap, adapt_budget=10.0)
+    cfg = GactConfig.from_level("L2.2", min_numel=0, adapt_first_gap=gap, adapt_budget=None)
     with Controller(model, cfg) as controller:
         for _ in range(2):  # pairwise: the second step probes, then stores with new widths
             controller.iterate(closure)

@@ -177,7 +177,7 @@ def _adapt_at_step_1(
 ) -> Controller:
     """Two iterate() steps at L2 adapting at step 1, with any probe affordable; ``calls``
     counts the second step's closure runs (the step's own and the probes')."""
-    cfg = GactConfig.from_level("L2", min_numel=0, adapt_first_gap=1, adapt_budget=1e6)
+    cfg = GactConfig.from_level("L2", min_numel=0, adapt_first_gap=1, adapt_budget=None)
     with Controller(model, cfg) as controller:
         controller.iterate(counted)
         calls[0] = 0
@@ -190,7 +190,7 @@ def test_measured_models_adapt_without_probes() -> None:
     run no probe, iterate() runs the closure once per step, and the measured sensitivities
     reach the plan and the report."""
     model, counted, calls = _counted("mlp")
-    cfg = GactConfig.from_level("L2", min_numel=0, adapt_first_gap=2, adapt_budget=1e6)
+    cfg = GactConfig.from_level("L2", min_numel=0, adapt_first_gap=2, adapt_budget=None)
     with Controller(model, cfg) as controller:
         for _ in range(4):
             controller.iterate(counted)
@@ -236,7 +236,7 @@ def test_few_probed_tensors_are_probed_each_alone() -> None:
 def test_measure_linear_false_probes_every_tensor() -> None:
     model, x, y = make_case("mlp")
     cfg = GactConfig.from_level(
-        "L2", min_numel=0, adapt_first_gap=1, adapt_budget=1e6, measure_linear=False
+        "L2", min_numel=0, adapt_first_gap=1, adapt_budget=None, measure_linear=False
     )
     with Controller(model, cfg) as controller:
         for _ in range(2):
@@ -251,7 +251,7 @@ def test_step_loops_adapt_the_measured_tensors() -> None:
     next adaptation."""
     for case, held in (("mlp", False), ("transformer", True)):
         model, x, y = make_case(case)
-        cfg = GactConfig.from_level("L2", min_numel=0, adapt_first_gap=2, adapt_budget=1e6)
+        cfg = GactConfig.from_level("L2", min_numel=0, adapt_first_gap=2, adapt_budget=None)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -414,7 +414,7 @@ def test_tensors_kept_at_full_precision_are_still_measured() -> None:
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
     counted, calls = _counting(model, torch.randn(32, 64), torch.randint(0, 10, (32,)))
     cfg = GactConfig.from_level(
-        "L2", min_numel=0, adapt_first_gap=1, adapt_budget=1e6, memory_budget=1 << 30
+        "L2", min_numel=0, adapt_first_gap=1, adapt_budget=None, memory_budget=1 << 30
     )
     widths = []
     with Controller(model, cfg) as controller:

@@ -17,7 +17,7 @@ def test_no_memory_growth_over_500_steps() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     closure = make_closure(model, x, y)
     cfg = GactConfig.from_level(
-        "L2", min_numel=0, adapt_interval=100, adapt_first_gap=0, adapt_budget=100.0
+        "L2", min_numel=0, adapt_interval=100, adapt_first_gap=0, adapt_budget=None
     )
     tracemalloc.start()
     with Controller(model, cfg) as controller:

@@ -90,7 +90,7 @@ def _no_hooks() -> bool:
 @pytest.mark.parametrize("level", list(LEVELS))
 def test_trains_at_every_level(level: str) -> None:
     callback = GactCallback(
-        GactConfig.from_level(level, adapt_interval=2, adapt_first_gap=0, adapt_budget=1e6)
+        GactConfig.from_level(level, adapt_interval=2, adapt_first_gap=0, adapt_budget=None)
     )
     module = _classifier(pl.LightningModule)
     _fit(callback, module)
@@ -104,7 +104,7 @@ def test_trains_at_every_level(level: str) -> None:
 
 def test_accumulation_and_bf16_mixed() -> None:
     callback = GactCallback(
-        GactConfig.from_level("L2", adapt_interval=2, adapt_first_gap=0, adapt_budget=1e6)
+        GactConfig.from_level("L2", adapt_interval=2, adapt_first_gap=0, adapt_budget=None)
     )
     module = _classifier(pl.LightningModule)
     trainer = _fit(callback, module, accumulate_grad_batches=2, precision="bf16-mixed")

@@ -75,7 +75,7 @@ def _no_hooks() -> bool:
 @pytest.mark.parametrize("level", list(LEVELS))
 def test_trains_at_every_level(level: str, tmp_path: Path) -> None:
     callback = GactCallback(
-        GactConfig.from_level(level, adapt_interval=2, adapt_first_gap=0, adapt_budget=1e6)
+        GactConfig.from_level(level, adapt_interval=2, adapt_first_gap=0, adapt_budget=None)
     )
     trainer = _trainer(tmp_path, [callback], max_steps=3)
     output = trainer.train()
@@ -90,11 +90,11 @@ def test_trains_at_every_level(level: str, tmp_path: Path) -> None:
 
 def test_gradient_accumulation_is_one_gact_step_per_optimizer_step(tmp_path: Path) -> None:
     single = GactCallback(
-        GactConfig.from_level("L2", adapt_interval=2, adapt_first_gap=0, adapt_budget=1e6)
+        GactConfig.from_level("L2", adapt_interval=2, adapt_first_gap=0, adapt_budget=None)
     )
     _trainer(tmp_path, [single], max_steps=3).train()
     accumulated = GactCallback(
-        GactConfig.from_level("L2", adapt_interval=2, adapt_first_gap=0, adapt_budget=1e6)
+        GactConfig.from_level("L2", adapt_interval=2, adapt_first_gap=0, adapt_budget=None)
     )
     trainer = _trainer(tmp_path, [accumulated], max_steps=3, gradient_accumulation_steps=2)
     trainer.train()
