@@ -97,3 +97,24 @@ def test_empty_tensors_keep_their_strides() -> None:
     ):
         y = gact_kernels.decompress(c)
         assert y.shape == x.shape and y.stride() == x.stride() and c.nbytes == 0
+
+
+@pytest.mark.parametrize("view", ["contiguous", "channels_last"])
+def test_lazily_negated_inputs_are_read_as_their_values(view: str) -> None:
+    """A negative view (``torch._neg_view``, what conjugate-free ops may hand over) shares its
+    base's memory, which holds the values' negatives: the kernels must read its values."""
+    x = DENSE_VIEWS[view](_base(torch.float32))
+    negated = torch._neg_view(x)
+    assert negated.is_neg() and negated.data_ptr() == x.data_ptr()
+    expected = gact_kernels.quantize(-x, 4, seed=5)
+    assert gact_kernels.quantize(negated, 4, seed=5) == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inputs_that_require_grad_are_quantized_as_their_data(dtype: torch.dtype) -> None:
+    """The pending result holds its input until resolved, never the input's autograd graph."""
+    leaf = _base(dtype).requires_grad_()
+    x = leaf * 2  # a non-leaf: it carries a graph
+    pending = gact_kernels.quantize_async(x, 3, seed=2)
+    assert pending.result() == gact_kernels.quantize(x.detach(), 3, seed=2)
+    assert gact_kernels.quantize(leaf, 3, seed=2) == gact_kernels.quantize(leaf.detach(), 3, seed=2)
