@@ -12,10 +12,11 @@ last ``--tail`` steps) and its largest gradient norm. With ``--variance-steps``,
 ``--variance-levels`` (L1 by default) also measure, at those steps and per parameter, the
 variance that rounding adds to the gradient over the minibatch variance (the premise of GACT's
 analysis: it should be small; an adaptive level's runs round with their own allocation of the
-moment), and with
-``--channel-error-steps`` each 4-D save's worst per-channel rounding error at 4 bits in both
-group layouts (what BatchNorm divides by the channel's spread). ``--layout memory``
-groups in memory order, as the original GACT did (``GactConfig(channel_groups=False)``).
+moment), and with ``--channel-error-steps`` each 4-D save's worst per-channel rounding error at
+4 bits in both group layouts (what BatchNorm divides by the channel's spread). ``--layout
+memory`` groups in memory order, as the original GACT did (``GactConfig(channel_groups=False)``).
+The adaptive levels' runs are reproducible only with ``--adapt-budget none``: their default
+time budget reads the clock (NOTE [Adaptation schedule] in gact_policy).
 
     python examples/stability.py --data DATA --model resnet18 --lrs 0.05,0.1 --seeds 0,1,2 \
         --levels L0,L1,L2,L1.2,L2.2 --steps 300 --variance-steps 0,100,200,299
