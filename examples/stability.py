@@ -227,9 +227,8 @@ def train(task: Task, level: str, seed: int, lr: float, args: argparse.Namespace
     optimizer = task.optimizer(model, lr)
     batches = task.batches(torch.Generator().manual_seed(seed))
     config = GactConfig.from_level(level, seed=seed, channel_groups=args.layout == "channel")
-    if args.adapt_budget is not None:  # a fraction, or "none": no time budget
-        budget = args.adapt_budget
-        config = config.replace(adapt_budget=None if budget == "none" else budget)
+    if hasattr(args, "adapt_budget"):  # given: a fraction, or None for no time budget
+        config = config.replace(adapt_budget=args.adapt_budget)
     controller = Controller(model, config)
     measured = level in args.variance_levels.split(",")
     probe_at = {int(s) for s in args.variance_steps.split(",") if s} if measured else set()
@@ -294,10 +293,10 @@ def train(task: Task, level: str, seed: int, lr: float, args: argparse.Namespace
     }
 
 
-def _budget(text: str) -> float | str:
-    """``--adapt-budget``: a fraction >= 0, or ``"none"``."""
+def _budget(text: str) -> float | None:
+    """``--adapt-budget``: a fraction >= 0, or ``None`` for ``none``."""
     if text == "none":
-        return text
+        return None
     try:
         value = float(text)
     except ValueError:
@@ -345,7 +344,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         help="steps at which L1 runs record each 4-D save's worst per-channel rounding error",
     )  # fmt: skip
     p.add_argument(
-        "--adapt-budget", type=_budget, default=None,
+        "--adapt-budget", type=_budget, default=argparse.SUPPRESS,
         help="GactConfig.adapt_budget of the adaptive levels ('none': no time budget, so runs "
         "are reproducible; default: the config's)",
     )  # fmt: skip

@@ -289,20 +289,30 @@ def test_memory_budget_needs_an_adaptive_level() -> None:
 # ------------------------------------------------------------- schedule
 
 
-def _adapted_steps(cfg: GactConfig, steps: int, probe_fraction: float = 1.0) -> list[int]:
-    """Steps at which an MLP adapted; its tensors are probed (``measure_linear=False``: every
-    one of them could be measured, test_measured.py)."""
-    cfg = cfg.replace(measure_linear=False)
+def _train(
+    cfg: GactConfig, steps: int, probe_fraction: float = 1.0
+) -> tuple[list[int], dict[str, int], torch.Tensor]:
+    """The MLP case trained ``steps`` SGD steps through ``iterate``: the steps at which it
+    adapted, its final bits and its first layer's weights."""
+    torch.manual_seed(0)
     model, x, y = make_case("mlp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     closure = make_closure(model, x, y)
     seen = []
     with Controller(model, cfg) as controller:
         for step in range(steps):
             before = controller.adapter.count
             controller.iterate(closure, probe_fraction=probe_fraction)
+            opt.step()
             if controller.adapter.count > before:
                 seen.append(step)
-    return seen
+    return seen, dict(controller.plan.bits), next(model.parameters()).detach().clone()
+
+
+def _adapted_steps(cfg: GactConfig, steps: int, probe_fraction: float = 1.0) -> list[int]:
+    """Steps at which an MLP adapted; its tensors are probed (``measure_linear=False``: every
+    one of them could be measured, test_measured.py)."""
+    return _train(cfg.replace(measure_linear=False), steps, probe_fraction)[0]
 
 
 def test_adaptations_follow_the_schedule_when_affordable() -> None:
@@ -324,27 +334,15 @@ def test_the_time_budget_delays_adaptations() -> None:
 def _run_on_clocks(
     cfg: GactConfig, monkeypatch: pytest.MonkeyPatch, step_tick: float, adapt_tick: float
 ) -> tuple[list[int], dict[str, int], torch.Tensor]:
-    """Adapted steps, final bits and first-layer weights of 30 steps of the MLP case, with the
-    controller's clock advancing ``step_tick`` and the adapter's and meter's ``adapt_tick`` per
-    reading: a machine on which training, or adapting, looks slow."""
+    """``_train`` for 30 steps with the controller's clock advancing ``step_tick`` and the
+    adapter's and meter's ``adapt_tick`` per reading: a machine on which training, or adapting,
+    looks slow."""
     clocks = {"controller": step_tick, "adapt": adapt_tick, "measured": adapt_tick}
     for module, tick in clocks.items():
         now = iter(range(10**9))
         fake = types.SimpleNamespace(perf_counter=lambda now=now, tick=tick: tick * next(now))
         monkeypatch.setattr(f"gact.{module}.time", fake)
-    torch.manual_seed(0)
-    model, x, y = make_case("mlp")
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    closure = make_closure(model, x, y)
-    seen = []
-    with Controller(model, cfg) as controller:
-        for step in range(30):
-            before = controller.adapter.count
-            controller.iterate(closure)
-            opt.step()
-            if controller.adapter.count > before:
-                seen.append(step)
-    return seen, dict(controller.plan.bits), next(model.parameters()).detach().clone()
+    return _train(cfg, 30)
 
 
 def test_without_a_time_budget_runs_do_not_depend_on_the_clock(

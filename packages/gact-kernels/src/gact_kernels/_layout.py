@@ -62,18 +62,22 @@ def _is_dense(shape: torch.Size, stride: tuple[int, ...]) -> bool:
 
 
 def memory_order(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """A flat view of ``x``'s elements in memory order, and the strides to restore.
+    """A block holding ``x``'s elements in memory order at its address, and the strides to
+    restore: ``x`` itself when contiguous, else a flat view of it.
 
-    See NOTE [memory order]: a non-overlapping, dense ``x`` is viewed without a copy; anything
-    else is copied contiguous.
+    See NOTE [memory order]: a non-overlapping, dense ``x`` is read without a copy; anything
+    else is copied contiguous. The kernels read the block's address and size only, so a
+    contiguous ``x`` gets no view built (a save's cost); torch code that indexes the block
+    flattens it with ``.view(-1)``.
     """
     x = x.resolve_neg()
-    n = x.numel()
     stride = x.stride()
-    if n == 0 or x.is_contiguous() or _is_dense(x.shape, stride):
-        return x.as_strided((n,), (1,)), stride
+    if x.is_contiguous():
+        return x, stride
+    if _is_dense(x.shape, stride):
+        return x.as_strided((x.numel(),), (1,)), stride
     x = x.contiguous()
-    return x.view(-1), x.stride()
+    return x, x.stride()
 
 
 def restore_stride(x: torch.Tensor) -> tuple[int, ...]:

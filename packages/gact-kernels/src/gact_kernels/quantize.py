@@ -299,9 +299,7 @@ def quantize_async(
             group_size, channel_dim = plane, None  # memory order keeps groups inside channels
     runs = None  # the CPU kernels read channel runs in place: no copy (NOTE [channel groups])
     if channel_dim is None:
-        # the common case, read in place without a flat view (NOTE [memory order]); blocks
-        # reach torch indexing through lossless_groups, which flattens them
-        flat, stride = (x, x.stride()) if x.is_contiguous() and not x.is_neg() else memory_order(x)
+        flat, stride = memory_order(x)
         n = x.numel()
     else:
         group_size, padded = channel_grouping(x.shape, channel_dim, group_size)

@@ -122,6 +122,7 @@ def reference_quantize(
     bits, group_size, seed = check_bits(bits), check_group_size(group_size), check_seed(seed)
     zero_exact = check_zero_exact(zero_exact, bits)
     flat, stride = memory_order(x.detach())
+    flat = flat.view(-1)
     n = flat.numel()
     xf = flat.float()
     if n:
@@ -266,6 +267,7 @@ def reference_pack_ints(x: torch.Tensor, *, group_size: int = 256) -> PackedInts
     check_tensor(x, "x", INT_DTYPES)
     group_size = check_group_size(group_size)
     flat, stride = memory_order(x.detach().cpu())
+    flat = flat.view(-1)
     n = flat.numel()
     v = flat.to(torch.int64)
     grouped = _grouped(v, group_size) if n else v.view(0, group_size)
