@@ -398,6 +398,62 @@ def test_eager_saves_in_a_compiled_forward_are_kept_and_warned_once(graph_saves:
     assert len(sites) == graph_saves and all(r.kind is Kind.QUANTIZED for r in sites)
 
 
+class _Print(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        print(end="")  # dynamo cannot trace print: a graph break inside nn.Sequential's loop
+        return x
+
+
+class _Branch(nn.Module):
+    """A data-dependent branch in the forward: dynamo breaks the graph there and resumes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = _pooling_cnn(), nn.Linear(10, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if h.sum() > 0:  # data-dependent: a graph break
+            h = h * 2
+        return self.b(F.gelu(h))
+
+
+def _print_cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), _Print(),
+        nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.GELU(), nn.Flatten(),
+        nn.Linear(8 * 16 * 16, 10),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("make", [_print_cnn, _Branch], ids=["print", "branch"])
+def test_a_graph_break_never_lets_dynamo_compile_the_hooks(make) -> None:
+    """NOTE [Hooks dynamo never compiles]: around a graph break dynamo's frame callback is set
+    while eager code saves tensors, and it used to compile GACT's pack hook as user code, whose
+    ledger then read the byte size of a tensor with symbolic sizes: the step raised. Now every
+    step trains, the eager saves are kept (NOTE [Compiled forwards] in scope.py), the graphs
+    around a resumed branch compress theirs, and the weights follow the uncompiled model's."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    weights, ratios = {}, {}
+    for compile_ in (False, True):
+        torch._dynamo.reset()
+        model = make()
+        run = torch.compile(model, backend="aot_eager") if compile_ else model
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", GactWarning)  # the compiled run's eager saves
+            with Controller(run, GactConfig.from_level("L1", min_numel=0)) as controller:
+                weights[compile_] = _train(model, run, controller) + _train(model, run, controller)
+                ratios[compile_] = controller.stats()["ratio"]
+    assert ratios[False] > 4  # eager: every save compressed
+    assert ratios[True] == 1.0 if make is _print_cnn else ratios[True] > 4  # no graph: all kept
+    hooks = controller.hooks
+    for fn in (hooks.pack, hooks.unpack, hooks.pack_own):
+        assert not _debug_get_cache_entry_list(fn.__func__.__code__)  # never compiled
+    assert relative_error(weights[True], weights[False]) < 0.05
+
+
 def test_payloads_live_as_long_as_the_graph() -> None:
     model = _relu_mlp()
     run = torch.compile(model, backend="aot_eager")

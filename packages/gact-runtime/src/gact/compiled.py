@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 __all__ = [
     "COMPILED_NODE",
     "SaveHookModule",
+    "never_compiled",
     "pack_on_thread",
     "pack_traced",
     "tracing_context",
@@ -286,6 +287,28 @@ class SaveHookModule(torch.fx.GraphModule):
         # A bound method is no descriptor: calling the module calls ``fn`` with no frame or
         # binding in between (``_from_checkpoint`` in saved.py counts the frames to its caller).
         type(self).__call__ = fn
+        never_compiled(fn)
+
+
+# NOTE [Hooks dynamo never compiles]
+# Autograd calls a saved-tensor hook from C++, and while a compiled function runs the code around
+# a graph break (a ``print``, a data-dependent branch) eagerly, dynamo's frame callback is still
+# set: it would compile the hook's own frame as if it were user code, and then the eager save
+# path it reaches (the ledger's byte counts of a tensor with symbolic sizes) raises during
+# tracing, so the model's step fails. A hook's frame and every frame it calls are therefore
+# marked to be skipped (``FrameAction.SKIP`` for the frame and, recursively, its callees): the
+# eager path runs as plain Python, as it does outside compiled code. Marking the code object
+# adds no frame and no per-call cost, unlike a ``torch._dynamo.disable`` wrapper (a frame more,
+# which ``_from_checkpoint`` would count). AOTAutograd's tracing of the hooks (NOTE [Compiled
+# saves]) calls them with the callback unset, so it is unaffected.
+def never_compiled(fn: Callable[..., Any]) -> None:
+    """Mark ``fn``'s code (a function or bound method) so dynamo neither compiles it nor any
+    frame it calls (NOTE [Hooks dynamo never compiles])."""
+    from torch._C._dynamo.eval_frame import set_code_exec_strategy
+    from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+    code = getattr(fn, "__func__", fn).__code__
+    set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
 
 
 def pack_on_thread(tensor: torch.Tensor) -> Any:
