@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from gact import Controller, GactConfig, GactError, GactWarning, compiled
 from gact.ledger import Kind, live_tensor_peak
+from gact.scope import OUTSIDE
 from runtime_helpers import deferred_quantize, grads_of, relative_error
 from torch import nn
 
@@ -452,6 +453,44 @@ def test_a_graph_break_never_lets_dynamo_compile_the_hooks(make) -> None:
     for fn in (hooks.pack, hooks.unpack, hooks.pack_own):
         assert not _debug_get_cache_entry_list(fn.__func__.__code__)  # never compiled
     assert relative_error(weights[True], weights[False]) < 0.05
+
+
+def test_a_compiled_forward_that_bypasses_the_hooks_is_warned_once() -> None:
+    """torch 2.13 runs a compiled forward with a graph break without calling saved-tensor hooks
+    that are graph modules when the model's submodules have forward hooks (as ``install_hook()``
+    before ``torch.compile`` registers): GACT sees no save and compresses nothing. That must not
+    be silent; the spelling that hands the compiled model to the Controller keeps working."""
+    inside, said = {}, {}
+    for spelling in ("torch.compile after", "Controller(torch.compile(model))"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Linear(16, 32), _Print(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)
+        )
+        run = torch.compile(model, backend="aot_eager") if spelling[0] == "C" else None
+        controller = Controller(run or model, GactConfig.from_level("L1", min_numel=0))
+        controller.install_hook()
+        run = run or torch.compile(model, backend="aot_eager")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", GactWarning)
+                for _ in range(2):
+                    F.cross_entropy(run(torch.randn(4, 16)), torch.arange(4)).backward()
+                    controller.step()
+                with torch.no_grad():  # an evaluation saves nothing: no warning
+                    run(torch.randn(4, 16))
+        finally:
+            controller.uninstall_hook()
+        said[spelling] = [str(w.message) for w in caught if w.category is GactWarning]
+        inside[spelling] = [k for k in controller.ledger.last if not k.startswith(OUTSIDE)]
+    bypassed = said["torch.compile after"]
+    if not inside["torch.compile after"]:  # only the loss's saves (outside the model) seen
+        assert len(bypassed) == 1 and "without calling GACT's hooks" in bypassed[0]
+    else:  # a torch that calls them: its saves are kept and warned as eager ones
+        assert not any("without calling" in m for m in bypassed)
+    kept = said["Controller(torch.compile(model))"]
+    assert len(kept) == 1 and "without calling" not in kept[0]  # the eager saves' warning
+    assert inside["Controller(torch.compile(model))"]
 
 
 def test_payloads_live_as_long_as_the_graph() -> None:

@@ -110,7 +110,11 @@ class Controller:
         self.plan = BitPlan(config if config is not None else get_config())
         self.ledger = Ledger()
         self.parameter_filter = ParameterFilter(model)
-        self.tracker = ScopeTracker(model, on_root_forward=self._on_root_forward)
+        self.tracker = ScopeTracker(
+            model,
+            on_root_forward=self._on_root_forward,
+            on_compiled_return=self._on_compiled_return,
+        )
         self.hooks = SaveHooks(
             self.plan, self.tracker, self.parameter_filter, self.ledger, self._make_swapper()
         )
@@ -127,6 +131,7 @@ class Controller:
         self._iterated = False  # iterate() ran: probes can come (NOTE [Held tensors] in adapt.py)
         self._last_boundary = "none"
         self._unpacked_at_forward = 0
+        self._recorded_at_forward = 0
         self._unpacked_at_boundary = 0
         self._step_started = time.perf_counter()
         self._step_seconds = 0.0
@@ -286,7 +291,33 @@ class Controller:
         ):
             self._end_step("auto")
         self._unpacked_at_forward = self.hooks.unpacked
+        self._recorded_at_forward = self.ledger.recorded
         self._arm()
+
+    def _on_compiled_return(self, output: object) -> None:
+        # A compiled forward that builds an autograd graph saves tensors; if none reached
+        # GACT's hooks, torch ran its graphs with the hooks disabled (seen on torch 2.13 with
+        # forward hooks on submodules, as install_hook() before torch.compile registers, and
+        # a graph break): every activation is stored uncompressed, which must not be silent.
+        if (
+            torch.is_grad_enabled()
+            and not self.hooks.probing
+            and self.ledger.recorded == self._recorded_at_forward
+            and any(
+                isinstance(t, torch.Tensor) and t.requires_grad
+                for t in torch.utils._pytree.tree_leaves(output)
+            )
+        ):
+            self._warn_once(
+                "compile-bypass",
+                "the model's compiled forward saved tensors for the backward without calling "
+                f"GACT's hooks (this torch, {torch.__version__}, disables saved-tensor hooks "
+                "that are graph modules in compiled code around a graph break when submodules "
+                "have forward hooks): nothing is compressed. Hand the compiled model to the "
+                "Controller (Controller(torch.compile(model)), or call model.compile() before "
+                "Controller(model)), or remove the graph break (torch._dynamo.explain(model)(x) "
+                "lists them)",
+            )
 
     def _on_compiled(self) -> None:
         if not self.hooks.compiled_sites:

@@ -91,6 +91,7 @@ class Ledger:
     last: dict[str, SiteRecord] | None = None
     deduplicated: int = 0
     last_deduplicated: int = 0
+    recorded: int = 0  # saves recorded since the ledger was made (never reset)
 
     def record(
         self,
@@ -126,6 +127,7 @@ class Ledger:
         if metadata_bits is not None:
             rec.metadata_bits = metadata_bits
         original = occupied_bytes(tensor)
+        self.recorded += 1
         rec.count += 1
         rec.numel += tensor.numel()
         rec.original_bytes += original

@@ -121,6 +121,8 @@ class ScopeTracker:
     Args:
         model: the model whose modules are tracked (submodules included).
         on_root_forward: called whenever the model's own forward starts.
+        on_compiled_return: called with the output whenever a compiled forward of the model
+            returns (see NOTE [Compiled forwards]).
 
     Example::
 
@@ -134,9 +136,15 @@ class ScopeTracker:
         >>> tracker.detach()
     """
 
-    def __init__(self, model: nn.Module, on_root_forward: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        on_root_forward: Callable[[], None],
+        on_compiled_return: Callable[[object], None] = lambda output: None,
+    ) -> None:
         self._model = model
         self._on_root_forward = on_root_forward
+        self._on_compiled_return = on_compiled_return
         self._local = threading.local()
         self._handles: list[RemovableHandle] = []
         self._generation = 0  # bumped at every root forward
@@ -210,7 +218,13 @@ class ScopeTracker:
                         _ModeScope.leave()
                     return
 
-        return _eager(leave) if label == "<root>" else leave
+        def leave_root(module: nn.Module, args: object, output: object) -> None:
+            compiled = self.compiled()
+            leave(module, args, output)
+            if compiled:
+                self._on_compiled_return(output)
+
+        return _eager(leave_root) if label == "<root>" else leave
 
     def compiled(self) -> bool:
         """Whether the running forward of the model is a compiled one (on this thread)."""
