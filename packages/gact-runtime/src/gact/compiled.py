@@ -304,9 +304,11 @@ class SaveHookModule(torch.fx.GraphModule):
 def never_compiled(fn: Callable[..., Any]) -> None:
     """Mark ``fn``'s code (a function or bound method) so dynamo neither compiles it nor any
     frame it calls (NOTE [Hooks dynamo never compiles])."""
-    from torch._C._dynamo.eval_frame import set_code_exec_strategy
-    from torch._dynamo.types import FrameAction, FrameExecStrategy
-
+    try:
+        from torch._C._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    except ImportError:  # pragma: no cover - a torch without per-code frame strategies: unmarked
+        return
     code = getattr(fn, "__func__", fn).__code__
     set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
 
