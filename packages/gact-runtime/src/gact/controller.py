@@ -296,9 +296,10 @@ class Controller:
 
     def _on_compiled_return(self, output: object) -> None:
         # A compiled forward that builds an autograd graph saves tensors; if none reached
-        # GACT's hooks, torch ran its graphs with the hooks disabled (seen on torch 2.13 with
-        # forward hooks on submodules, as install_hook() before torch.compile registers, and
-        # a graph break): every activation is stored uncompressed, which must not be silent.
+        # GACT's hooks, every save was an input of its compiled graph, which AOTAutograd never
+        # hands to saved-tensor hooks (only the tensors a graph computes: its
+        # ``saved_tensors_hooks_filtering_mode``), as when a graph break makes dynamo compile
+        # each layer alone. Every activation is then stored uncompressed: never silently.
         if (
             torch.is_grad_enabled()
             and not self.hooks.probing
@@ -311,12 +312,12 @@ class Controller:
             self._warn_once(
                 "compile-bypass",
                 "the model's compiled forward saved tensors for the backward without calling "
-                f"GACT's hooks (this torch, {torch.__version__}, disables saved-tensor hooks "
-                "that are graph modules in compiled code around a graph break when submodules "
-                "have forward hooks): nothing is compressed. Hand the compiled model to the "
-                "Controller (Controller(torch.compile(model)), or call model.compile() before "
-                "Controller(model)), or remove the graph break (torch._dynamo.explain(model)(x) "
-                "lists them)",
+                "GACT's hooks: nothing is compressed. torch.compile hands only the tensors a "
+                "compiled graph computes to saved-tensor hooks, never the graph's inputs, and "
+                "here each graph is a single layer, so every save is an input (a graph break "
+                "made dynamo compile the layers one by one). Remove the graph break "
+                "(torch._dynamo.explain(model)(x) lists them), or train this model uncompiled "
+                "under GACT",
             )
 
     def _on_compiled(self) -> None:
