@@ -458,8 +458,8 @@ def test_a_graph_break_never_lets_dynamo_compile_the_hooks(make) -> None:
 def test_a_compiled_forward_that_bypasses_the_hooks_is_warned_once() -> None:
     """With a graph break and forward hooks on the submodules (as ``install_hook()`` before
     ``torch.compile`` registers), torch 2.13 compiles each layer as a graph of its own, whose
-    saves are all graph inputs, which AOTAutograd never hands to saved-tensor hooks: GACT sees
-    no save and compresses nothing. That must not be silent. (Handing the compiled model to the
+    saves are all inputs or outputs of their graph, which AOTAutograd never hands to
+    saved-tensor hooks: GACT sees no save and compresses nothing. That must not be silent. (Handing the compiled model to the
     Controller registers the root's hooks alone: dynamo then runs the layers eagerly, and the
     eager saves are kept with their own warning.)"""
     inside, said = {}, {}

@@ -296,8 +296,8 @@ class Controller:
 
     def _on_compiled_return(self, output: object) -> None:
         # A compiled forward that builds an autograd graph saves tensors; if none reached
-        # GACT's hooks, every save was an input of its compiled graph, which AOTAutograd never
-        # hands to saved-tensor hooks (only the tensors a graph computes: its
+        # GACT's hooks, every save was an input or output of its compiled graph, which
+        # AOTAutograd never hands to saved-tensor hooks (only the tensors a graph computes: its
         # ``saved_tensors_hooks_filtering_mode``), as when a graph break makes dynamo compile
         # each layer alone. Every activation is then stored uncompressed: never silently.
         if (
@@ -313,8 +313,8 @@ class Controller:
                 "compile-bypass",
                 "the model's compiled forward saved tensors for the backward without calling "
                 "GACT's hooks: nothing is compressed. torch.compile hands only the tensors a "
-                "compiled graph computes to saved-tensor hooks, never the graph's inputs, and "
-                "here each graph is a single layer, so every save is an input (a graph break "
+                "compiled graph computes to saved-tensor hooks, never its inputs or outputs, "
+                "and here each graph is a single layer, so every save is one (a graph break "
                 "made dynamo compile the layers one by one). Remove the graph break "
                 "(torch._dynamo.explain(model)(x) lists them), or train this model uncompiled "
                 "under GACT",
