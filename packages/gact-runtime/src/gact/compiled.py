@@ -80,7 +80,12 @@ __all__ = [
 #   left as it is, since eager kernels give a save its traced strides). A backward compiled
 #   before that (ahead of time) keeps the traced strides: the unpack then copies into them.
 # Saves that AOTAutograd does not hand to the hooks (graph inputs, parameters, outputs: the
-# default ``saved_tensors_hooks_filtering_mode="donated"``) are kept, as they cannot be freed.
+# default ``saved_tensors_hooks_filtering_mode="donated"``) are kept, and the ledger never sees
+# them. For a model compiled whole they are its input batch and parameters; a model compiled
+# block by block, or split into one graph per layer by a graph break, keeps every block's
+# input that way (``Controller._on_compiled_return`` warns when no save at all reached the
+# hooks). Handing them to the hooks (``"no_static"``) would also need parameters guarded and a
+# tensor saved as one graph's output and the next one's input packed once.
 # ``_SITES`` keeps the traced sites for the process's life (a compiled graph may run again as
 # long as its hooks' ids are installed: dynamo's guard), but a site refers to its controller's
 # hooks weakly, so that dropping a Controller and its model frees them (a graph that runs after
