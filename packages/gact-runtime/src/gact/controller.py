@@ -314,10 +314,9 @@ class Controller:
                 "the model's compiled forward saved tensors for the backward without calling "
                 "GACT's hooks: nothing is compressed. torch.compile hands only the tensors a "
                 "compiled graph computes to saved-tensor hooks, never its inputs or outputs, "
-                "and here each graph is a single layer, so every save is one (a graph break "
-                "made dynamo compile the layers one by one). Remove the graph break "
-                "(torch._dynamo.explain(model)(x) lists them), or train this model uncompiled "
-                "under GACT",
+                "and here every save is one, as when a graph break makes dynamo compile the "
+                "layers one by one. Remove the graph break (torch._dynamo.explain(model)(x) "
+                "lists them), or train this model uncompiled under GACT",
             )
 
     def _on_compiled(self) -> None:
