@@ -125,7 +125,8 @@ def test_compiled_gradient_is_unbiased_with_exact_decisions(backend: str) -> Non
     """One example (so a ReLU decision shows in the first layer's gradient) through a compiled
     Linear-ReLU-Linear, 150 rounding seeds (one per step, no recompilation).
 
-    - The first layer's gradient is ``(W2^T c) * [h > 0]`` times the uncompressed input: with
+    - The first layer's gradient is ``(W2^T c) * [h > 0]`` times the input, which is kept (16
+      elements, below ``min_numel``; a graph's saved inputs are compressed like any save): with
       exact decisions it equals the fp32 one bit for bit, whatever the rounding. Inductor saves
       the pre-activation ``h`` and recomputes the ReLU in the backward, so this needs the
       predicate's mask; aot_eager saves the ReLU's output on the zero-exact grid.
@@ -147,7 +148,7 @@ def test_compiled_gradient_is_unbiased_with_exact_decisions(backend: str) -> Non
     exact = grads_of(model)
     torch._dynamo.reset()
     samples = []
-    with Controller(run, GactConfig.from_level("L1.2", min_numel=0)) as controller:
+    with Controller(run, GactConfig.from_level("L1.2", min_numel=17)) as controller:
         for _ in range(150):
             controller.iterate(closure)
             grads = grads_of(model)
@@ -376,16 +377,31 @@ class _EagerIsland(nn.Module):
         return self.c(self.island(self.act(self.a(x))))
 
 
+def _default_filtering(monkeypatch: pytest.MonkeyPatch) -> None:
+    """AOTAutograd's own default: only a graph's intermediates reach saved-tensor hooks."""
+    monkeypatch.setattr(compiled.SavedInputs, "enter", classmethod(lambda cls: None))
+    monkeypatch.setattr(compiled.SavedInputs, "exit", classmethod(lambda cls: None))
+
+
 @pytest.mark.parametrize("graph_saves", [True, False])
-def test_eager_saves_in_a_compiled_forward_are_kept_and_warned_once(graph_saves: bool) -> None:
-    """The saves of eager code between compiled graphs are kept, with one warning. When no
-    compiled graph has saved through GACT's hooks (as every graph on a torch that does not
-    trace them: 2.11 on the GPU machine), the warning says compiling may save nothing here and
-    which torch traces them."""
+@pytest.mark.parametrize("hand_over", [True, False], ids=["inputs-hooked", "intermediates-only"])
+def test_eager_saves_in_a_compiled_forward_are_kept_and_warned_once(
+    graph_saves: bool, hand_over: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The saves of eager code between compiled graphs are kept, with one warning; the graphs'
+    own saves are compressed, their inputs and outputs included (NOTE [Compiled saves]): the
+    island's output, saved by ``c``, and ``act``'s output, returned to the island. Where only
+    intermediates reach the hooks (AOTAutograd's default, ``hand_over=False``) and no compiled
+    graph has saved through them (as every graph on a torch that does not trace them: 2.11 on
+    the GPU machine), the warning says compiling may save nothing here and which torch traces
+    them."""
+    if not hand_over:
+        _default_filtering(monkeypatch)
     torch.manual_seed(0)
     model = _EagerIsland(graph_saves)
     run = torch.compile(model, backend="aot_eager")
-    expected = "graph breaks" if graph_saves else re.escape(f"this torch ({torch.__version__})")
+    traced = hand_over or graph_saves
+    expected = "graph breaks" if traced else re.escape(f"this torch ({torch.__version__})")
     with Controller(run, GactConfig.from_level("L1", min_numel=0)) as controller:
         with pytest.warns(GactWarning, match=expected) as record:
             for _ in range(2):
@@ -396,7 +412,8 @@ def test_eager_saves_in_a_compiled_forward_are_kept_and_warned_once(graph_saves:
     eager = [r for k, r in records.items() if k.startswith("<root>#")]  # root-only hooks
     assert len(eager) == 2 and all(r.kind is Kind.KEPT for r in eager)  # h, tanh's output
     sites = [r for k, r in records.items() if "@" in k]
-    assert len(sites) == graph_saves and all(r.kind is Kind.QUANTIZED for r in sites)
+    assert len(sites) == (2 if hand_over else graph_saves)
+    assert all(r.kind is Kind.QUANTIZED for r in sites)
 
 
 class _Print(nn.Module):
@@ -455,44 +472,123 @@ def test_a_graph_break_never_lets_dynamo_compile_the_hooks(make) -> None:
     assert relative_error(weights[True], weights[False]) < 0.05
 
 
-def test_a_compiled_forward_that_bypasses_the_hooks_is_warned_once() -> None:
+@pytest.mark.parametrize("hand_over", [True, False], ids=["inputs-hooked", "intermediates-only"])
+def test_layers_compiled_one_by_one_compress_or_warn(
+    hand_over: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With a graph break and forward hooks on the submodules (as ``install_hook()`` before
     ``torch.compile`` registers), torch 2.13 compiles each layer as a graph of its own, whose
-    saves are all inputs or outputs of their graph, which AOTAutograd never hands to
-    saved-tensor hooks: GACT sees no save and compresses nothing. That must not be silent. (Handing the compiled model to the
-    Controller registers the root's hooks alone: dynamo then runs the layers eagerly, and the
-    eager saves are kept with their own warning.)"""
-    inside, said = {}, {}
-    for spelling in ("torch.compile after", "Controller(torch.compile(model))"):
+    saves are all inputs or outputs of their graph. Those reach GACT's hooks while it is
+    installed (NOTE [Compiled saves]): they are compressed, and the weights follow the eager
+    run's. Where only intermediates reach hooks (AOTAutograd's default) GACT sees no save and
+    compresses nothing, which must not be silent: one warning."""
+    if not hand_over:
+        _default_filtering(monkeypatch)
+    weights, said, inside = {}, {}, {}
+    for compile_ in (False, True):
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = nn.Sequential(
             nn.Linear(16, 32), _Print(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)
         )
-        run = torch.compile(model, backend="aot_eager") if spelling[0] == "C" else None
-        controller = Controller(run or model, GactConfig.from_level("L1", min_numel=0))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        controller = Controller(model, GactConfig.from_level("L1", min_numel=0))
         controller.install_hook()
-        run = run or torch.compile(model, backend="aot_eager")
+        run = torch.compile(model, backend="aot_eager") if compile_ else model
+        torch.manual_seed(1)
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", GactWarning)
-                for _ in range(2):
-                    F.cross_entropy(run(torch.randn(4, 16)), torch.arange(4)).backward()
+                for _ in range(3):
+                    x, y = torch.randn(4, 16), torch.arange(4)
+                    optimizer.zero_grad()
+                    F.cross_entropy(run(x), y).backward()
+                    optimizer.step()
                     controller.step()
                 with torch.no_grad():  # an evaluation saves nothing: no warning
                     run(torch.randn(4, 16))
         finally:
             controller.uninstall_hook()
-        said[spelling] = [str(w.message) for w in caught if w.category is GactWarning]
-        inside[spelling] = [k for k in controller.ledger.last if not k.startswith(OUTSIDE)]
-    bypassed = said["torch.compile after"]
-    if not inside["torch.compile after"]:  # only the loss's saves (outside the model) seen
-        assert len(bypassed) == 1 and "without calling GACT's hooks" in bypassed[0]
-    else:  # a torch that calls them: its saves are kept and warned as eager ones
-        assert not any("without calling" in m for m in bypassed)
-    kept = said["Controller(torch.compile(model))"]
-    assert len(kept) == 1 and "without calling" not in kept[0]  # the eager saves' warning
-    assert inside["Controller(torch.compile(model))"]
+        said[compile_] = [str(w.message) for w in caught if w.category is GactWarning]
+        last = controller.ledger.last
+        inside[compile_] = [r for k, r in last.items() if not k.startswith(OUTSIDE)]
+        weights[compile_] = [p.detach().clone() for p in model.parameters()]
+    assert not said[False]
+    if hand_over:
+        assert not said[True] and any(r.kind is Kind.QUANTIZED for r in inside[True])
+        assert relative_error(weights[True], weights[False]) < 0.05
+    else:
+        assert not inside[True]  # only the loss's saves (outside the model) were seen
+        assert len(said[True]) == 1 and "without calling GACT's hooks" in said[True][0]
+
+
+def test_saved_inputs_reach_the_hooks_only_while_installed() -> None:
+    """NOTE [Compiled saves]: AOTAutograd's default filtering becomes ``"no_static"`` while any
+    controller is installed (nested installs count), and comes back after the last one; a mode
+    the user chose is left alone."""
+    config = torch._functorch.config
+    assert config.saved_tensors_hooks_filtering_mode == "donated"
+    first, second = Controller(_relu_mlp()), Controller(_relu_mlp())
+    with first:
+        assert config.saved_tensors_hooks_filtering_mode == "no_static"
+        with second:
+            assert config.saved_tensors_hooks_filtering_mode == "no_static"
+        assert config.saved_tensors_hooks_filtering_mode == "no_static"
+    assert config.saved_tensors_hooks_filtering_mode == "donated"
+    with config.patch(saved_tensors_hooks_filtering_mode="all"), first:
+        assert config.saved_tensors_hooks_filtering_mode == "all"
+
+
+def test_a_parameter_handed_to_the_hooks_is_kept() -> None:
+    """Under the ``"all"`` filtering a compiled graph hands its saved weights to the hooks too:
+    they are state, recorded as parameters and kept, never compressed (``pack_site``)."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    run = torch.compile(model, backend="aot_eager")
+    all_saves = torch._functorch.config.patch(saved_tensors_hooks_filtering_mode="all")
+    with all_saves, Controller(run, GactConfig.from_level("L1", min_numel=0)) as controller:
+        for _ in range(2):
+            F.cross_entropy(run(torch.randn(8, 16)), torch.arange(8) % 4).backward()
+            controller.step()
+    records = controller.ledger.last
+    assert records["<parameters>"].kind is Kind.PARAMETER
+    assert records["<parameters>"].shape == tuple(model[2].weight.shape)  # saved for x's grad
+    shapes = {tuple(p.shape) for p in model.parameters()}
+    assert not any(r.kind is Kind.QUANTIZED and r.shape in shapes for r in records.values())
+
+
+class _NormBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(32), nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+@pytest.mark.parametrize("hand_over", [True, False], ids=["inputs-hooked", "intermediates-only"])
+def test_a_model_compiled_block_by_block_compresses_the_blocks_inputs(
+    hand_over: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``block.compile()`` per block: each block's input is an input of its graph, saved for
+    its LayerNorm. It is compressed and counted like any save (NOTE [Compiled saves]); under
+    AOTAutograd's default it was kept and missing from the ledger (``stats()`` overstated the
+    ratio)."""
+    if not hand_over:
+        _default_filtering(monkeypatch)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_NormBlock() for _ in range(4)], nn.Linear(32, 4))
+    for block in model[:4]:
+        block.compile(backend="aot_eager")
+    with Controller(model, GactConfig.from_level("L1", min_numel=0)) as controller:
+        for _ in range(2):
+            F.cross_entropy(model(torch.randn(8, 32)), torch.arange(8) % 4).backward()
+            controller.step()
+    inputs = [r for k, r in controller.ledger.last.items() if "@primals" in k]
+    if hand_over:
+        assert inputs and all(r.kind is Kind.QUANTIZED for r in inputs)
+        assert sum(r.count for r in inputs) >= 4  # every block's input
+    else:
+        assert not inputs
 
 
 def test_payloads_live_as_long_as_the_graph() -> None:

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 __all__ = [
     "COMPILED_NODE",
     "SaveHookModule",
+    "SavedInputs",
     "never_compiled",
     "pack_on_thread",
     "pack_traced",
@@ -40,10 +41,10 @@ __all__ = [
 # brings all activations back at once: compressing them lowered no peak. Since pytorch#150032
 # (in the torch 2.13 this project pins) AOTAutograd inlines saved-tensor hooks that are ``torch.fx.GraphModule`` s into the compiled
 # graphs (``maybe_inline_graph_saved_tensors_hooks``): it traces the pack hook on each saved
-# intermediate (a fake tensor, with ``_get_saved_tensor_hook_context()`` naming the saved node
+# tensor it hands over (a fake tensor, with ``_get_saved_tensor_hook_context()`` naming the saved node
 # and both graphs) into the forward's epilogue, and the unpack hook into the backward's prologue.
 # GACT's hooks are such modules (``SaveHookModule``; eager code calls them as plain functions).
-# Three design decisions, each chosen over an alternative:
+# Four design decisions, each chosen over an alternative:
 # - Handles, not payloads, cross the graph boundary. The traced pack hook emits one opaque
 #   custom op, ``gact::pack_saved``, which at run time compresses the tensor through the eager
 #   code path (``SaveHooks.pack_site``: same kernels, byte format, seeds, ledger, swap) and
@@ -79,13 +80,16 @@ __all__ = [
 #   inductor lowers the graph's nodes; their generated Python code, which aot_eager runs, is
 #   left as it is, since eager kernels give a save its traced strides). A backward compiled
 #   before that (ahead of time) keeps the traced strides: the unpack then copies into them.
-# Saves that AOTAutograd does not hand to the hooks (graph inputs, parameters, outputs: the
-# default ``saved_tensors_hooks_filtering_mode="donated"``) are kept, and the ledger never sees
-# them. For a model compiled whole they are its input batch and parameters; a model compiled
-# block by block, or split into one graph per layer by a graph break, keeps every block's
-# input that way (``Controller._on_compiled_return`` warns when no save at all reached the
-# hooks). Handing them to the hooks (``"no_static"``) would also need parameters guarded and a
-# tensor saved as one graph's output and the next one's input packed once.
+# - A graph's saved inputs and outputs are compressed too. By default AOTAutograd hands only a
+#   graph's intermediates to the hooks (``saved_tensors_hooks_filtering_mode="donated"``: the
+#   others "may be held elsewhere"), so a model compiled block by block (``block.compile()``),
+#   or split into a graph per layer by a graph break, kept every block's input as it is,
+#   unseen by the ledger. While GACT's hooks are installed the mode is ``"no_static"``
+#   (``SavedInputs``): everything but static inputs (parameters), as eager GACT compresses
+#   every save; a parameter that still arrives is kept (``SaveHooks.pack_site``). A tensor
+#   saved by one graph as its output and by the next as its input is compressed by each, as
+#   two independent roundings (eager code stores it once); ``Controller._on_compiled_return``
+#   warns when a compiled forward's saves reached no hook at all.
 # ``_SITES`` keeps the traced sites for the process's life (a compiled graph may run again as
 # long as its hooks' ids are installed: dynamo's guard), but a site refers to its controller's
 # hooks weakly, so that dropping a Controller and its model frees them (a graph that runs after
@@ -316,6 +320,36 @@ def never_compiled(fn: Callable[..., Any]) -> None:
         return
     code = getattr(fn, "__func__", fn).__code__
     set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+
+
+class SavedInputs:
+    """While any GACT hooks are installed, AOTAutograd hands compiled graphs' saved inputs and
+    outputs to them too (NOTE [Compiled saves]): ``enter()`` at each install, ``exit()`` at
+    each uninstall; a mode the user chose other than the default is left alone."""
+
+    _depth = 0
+    _set = False  # whether the first enter() changed the mode (exit() then restores it)
+
+    @classmethod
+    def enter(cls) -> None:
+        config = torch._functorch.config
+        with _LOCK:
+            if cls._depth == 0:
+                mode = getattr(config, "saved_tensors_hooks_filtering_mode", None)
+                cls._set = mode == "donated"
+                if cls._set:
+                    config.saved_tensors_hooks_filtering_mode = "no_static"
+            cls._depth += 1
+
+    @classmethod
+    def exit(cls) -> None:
+        config = torch._functorch.config
+        with _LOCK:
+            cls._depth -= 1
+            if cls._depth == 0 and cls._set:
+                if config.saved_tensors_hooks_filtering_mode == "no_static":
+                    config.saved_tensors_hooks_filtering_mode = "donated"
+                cls._set = False
 
 
 def pack_on_thread(tensor: torch.Tensor) -> Any:

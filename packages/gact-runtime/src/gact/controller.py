@@ -13,6 +13,7 @@ from typing import Any, Callable, TypeVar
 import torch
 from torch import nn
 
+from . import compiled
 from .adapt import Adapter, rank_zeros
 from .compiled_sites import CompiledSite
 from .config import GactConfig, get_config
@@ -205,6 +206,7 @@ class Controller:
         self.tracker.attach(root_only=is_compiled)  # see NOTE [Compiled forwards] in scope.py
         context = torch.autograd.graph.saved_tensors_hooks(*self.hooks.modules)
         context.__enter__()
+        compiled.SavedInputs.enter()
         self._context = context
         self._thread = threading.get_ident()
         self._ever_installed = True
@@ -229,6 +231,7 @@ class Controller:
                 "still active; exit it before uninstall_hook()"
             )
         self._context.__exit__(None, None, None)
+        compiled.SavedInputs.exit()
         self._context = None
         installed_hooks().remove(self.hooks)
         _INSTALLED.discard(self)
@@ -296,10 +299,9 @@ class Controller:
 
     def _on_compiled_return(self, output: object) -> None:
         # A compiled forward that builds an autograd graph saves tensors; if none reached
-        # GACT's hooks, every save was an input or output of its compiled graph, which
-        # AOTAutograd never hands to saved-tensor hooks (only the tensors a graph computes: its
-        # ``saved_tensors_hooks_filtering_mode``), as when a graph break makes dynamo compile
-        # each layer alone. Every activation is then stored uncompressed: never silently.
+        # GACT's hooks, AOTAutograd handed none over (NOTE [Compiled saves] in compiled.py:
+        # with its default filtering, a model compiled layer by layer saves only graph inputs
+        # and outputs). Every activation is then stored uncompressed: never silently.
         if (
             torch.is_grad_enabled()
             and not self.hooks.probing
@@ -309,14 +311,17 @@ class Controller:
                 for t in torch.utils._pytree.tree_leaves(output)
             )
         ):
+            mode = getattr(torch._functorch.config, "saved_tensors_hooks_filtering_mode", None)
             self._warn_once(
                 "compile-bypass",
                 "the model's compiled forward saved tensors for the backward without calling "
-                "GACT's hooks: nothing is compressed. torch.compile hands only the tensors a "
-                "compiled graph computes to saved-tensor hooks, never its inputs or outputs, "
-                "and here every save is one, as when a graph break makes dynamo compile the "
-                "layers one by one. Remove the graph break (torch._dynamo.explain(model)(x) "
-                "lists them), or train this model uncompiled under GACT",
+                "GACT's hooks: nothing is compressed. AOTAutograd hands saved tensors to hooks "
+                "as torch._functorch.config.saved_tensors_hooks_filtering_mode says (here "
+                f"{mode!r}; GACT sets 'no_static', everything but parameters, unless another "
+                "mode was chosen), and the default 'donated' hands over no input or output of "
+                "a graph, all that a model compiled layer by layer saves. Use 'no_static', "
+                "remove the graph breaks (torch._dynamo.explain(model)(x) lists them), or "
+                "train this model uncompiled under GACT",
             )
 
     def _on_compiled(self) -> None:

@@ -512,6 +512,9 @@ class SaveHooks:
             self._graphs_counted.add(graph)
             for kept in kept_sites(site.graph):
                 self.ledger.record(kept.key, kept.like, Kind.KEPT, None, None)
+        if self.is_parameter(tensor):  # a graph's input that is state (NOTE in compiled.py)
+            self.ledger.record(_PARAM_KEY, tensor, Kind.PARAMETER, None, 0)
+            return SavedKept(tensor, _PARAM_KEY)
         key = site.key
         spec = DecisionSpec(
             site.predicates,
