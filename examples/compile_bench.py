@@ -3,7 +3,8 @@
 Per model (``gact_examples.workloads``: transformers GPT-2 on tiny-shakespeare, the ResNet-18
 layout on CIFAR-10, the char-GPT and MNIST memory configurations, ...) every run in ``--runs``
 (``BACKEND:LEVEL``; ``eager`` for no compile, ``fp32`` for no GACT; compiled in place with
-``nn.Module.compile``) starts from the same weights and sees the same batches. Each records every
+``nn.Module.compile``, or ``BACKEND/blocks`` to compile each of the workload's blocks alone, as
+large models are compiled block by block) starts from the same weights and sees the same batches. Each records every
 step's training loss, the live-tensor peak of step ``--peak-step`` (the torch profiler's
 allocations: what a perfect allocator would hold, as ``max_memory_allocated`` on CUDA), step
 times, the held-out loss and accuracy at the end, what GACT stored, the compiled save sites it
@@ -21,6 +22,8 @@ shows in the fp32 rows. Runs are sequential: take step-time ratios from ``speed_
         --seeds 0,1,2 --runs eager:L2,inductor:L2,eager:fp32,inductor:fp32
     python examples/compile_bench.py --data ../shared/data --models mnist,char-gpt --steps 4 \
         --runs eager:fp32,eager:L1,inductor:fp32,inductor:L1,aot_eager:fp32,aot_eager:L1
+    python examples/compile_bench.py --data ../shared/data --models gpt2 --steps 4 \
+        --runs eager:fp32,eager:L1,inductor/blocks:fp32,inductor/blocks:L1
 """
 
 from __future__ import annotations
@@ -49,11 +52,15 @@ def train(
     seed: int = 0,
 ) -> dict[str, Any]:
     """One run: ``steps`` steps of model ``name`` at ``level`` (``fp32``: no GACT), compiled
-    with ``backend`` (``None``: eager), from the weights and rounding streams of ``seed``."""
+    with ``backend`` (``None``: eager; ``BACKEND/blocks``: each of the workload's blocks
+    alone), from the weights and rounding streams of ``seed``."""
     torch._dynamo.reset()
     torch.manual_seed(seed)
     work = workload(name, data)
-    if backend is not None:
+    if backend is not None and backend.endswith("/blocks"):
+        for block in work.blocks:
+            work.model.get_submodule(block).compile(backend=backend.removesuffix("/blocks"))
+    elif backend is not None:
         work.model.compile(backend=backend)
     config = None if level == "fp32" else GactConfig.from_level(level, seed=seed)
     ctl = None if config is None else Controller(work.model, config)

@@ -480,6 +480,18 @@ def test_compile_bench(data_root, tmp_path, script):
         bench.main(["--data", str(data_root), "--models", "mnist", "--runs", "L1"])
 
 
+def test_compile_bench_blocks(data_root, script):
+    """BACKEND/blocks compiles each of the workload's blocks alone: their saves, inputs
+    included (NOTE [Compiled saves] in gact/compiled.py), are compressed inside the graphs."""
+    bench = script("compile_bench.py")
+    argv = ["--data", str(data_root), "--models", "mnist", "--steps", "2", "--tail", "1"]
+    runs = "aot_eager/blocks:L1,aot_eager/blocks:fp32"
+    compiled, fp32 = bench.main([*argv, "--runs", runs, "--peak-step", "1"])
+    assert compiled["run"] == "aot_eager/blocks L1" and compiled["graphs"] >= 3  # one a stage
+    assert compiled["compiled_compressed"] > 0 and compiled["ratio"] > 3
+    assert compiled["peak_bytes"] < fp32["peak_bytes"]
+
+
 def test_compile_bench_seeds(data_root, script):
     """--seeds repeats every run per seed (weights and rounding streams), each compared with the
     eager run of its level and seed; differences() summarises the compiled runs over seeds."""
