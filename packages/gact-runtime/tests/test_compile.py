@@ -4,6 +4,7 @@ recompiles."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import re
@@ -589,6 +590,26 @@ def test_a_model_compiled_block_by_block_compresses_the_blocks_inputs(
         assert sum(r.count for r in inputs) >= 4  # every block's input
     else:
         assert not inputs
+
+
+def test_blocks_compiled_alone_break_no_graph_under_gact() -> None:
+    """Blocks compiled alone run inside an eager forward, under GACT's ``DecisionMode``: dynamo
+    traces the mode, and used to trace its rules too (LayerNorm's breaks the graph), so each
+    block became several graphs. Now they compile to the graphs they compile to without GACT."""
+    graphs = {}
+    for level in (None, "L1"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = nn.Sequential(*[_NormBlock() for _ in range(2)], nn.Linear(32, 4))
+        for block in model[:2]:
+            block.compile(backend="aot_eager")
+        controller = Controller(model, GactConfig.from_level(level)) if level else None
+        before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        with controller or contextlib.nullcontext():
+            for _ in range(2):
+                F.cross_entropy(model(torch.randn(8, 32)), torch.arange(8) % 4).backward()
+        graphs[level] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
+    assert graphs["L1"] == graphs[None] > 0
 
 
 def test_payloads_live_as_long_as_the_graph() -> None:

@@ -759,6 +759,12 @@ class DecisionMode(TorchFunctionMode):
         args: Sequence[Any] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        # A compiled region inside an eager forward (a block compiled alone) takes its saves'
+        # decisions from its compiled backward (NOTE [Compiled saves] in compiled.py): dynamo,
+        # tracing this mode there, must not trace the rules (graph breaks) nor their cache
+        # (guards that fail as it fills: recompiles).
+        if torch.compiler.is_compiling():
+            return func(*args, **kwargs) if kwargs else func(*args)
         rule = _rule(func, measuring())
         if rule is None:
             return func(*args, **kwargs) if kwargs else func(*args)
