@@ -209,3 +209,43 @@ def test_a_key_moved_to_full_precision_keeps_the_other_keys_bits() -> None:
     for key, bits in controller.plan.bits.items():
         if key != victim and records[key].kind.value == "quantized":
             assert records[key].bits == bits
+
+
+class _Raises(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fail:
+            raise RuntimeError("boom")
+        return torch.relu(x)
+
+
+def test_a_forward_that_raises_leaves_no_scope_behind() -> None:
+    """NOTE [One hook for every module] in scope.py: a submodule whose forward raises, called
+    inside the model or alone, leaves no frame on the tracker's stack and no ``DecisionMode``
+    pushed; the next step names its saves as a clean one does. Another model's modules, run
+    meanwhile, are not the tracker's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _Raises(), nn.Linear(8, 8))
+    other = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+    x = torch.randn(4, 8)
+    with Controller(model, GactConfig.from_level("L1", min_numel=0)) as controller:
+        model(x).sum().backward()
+        controller.step()
+        clean = set(controller.ledger.last)
+        model[1].fail = True
+        for call in (model, model[1]):
+            try:
+                call(x)
+            except RuntimeError:
+                pass
+            assert torch._C._len_torch_function_stack() == 0  # no DecisionMode left
+            assert controller.tracker.entered() == 0  # no frame left
+        model[1].fail = False
+        other(x).sum().backward()  # outside the model: its saves are "<outside>" ones
+        controller.step()
+        model(x).sum().backward()
+        controller.step()
+        assert set(controller.ledger.last) == clean

@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_forward_hook
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
@@ -147,6 +148,7 @@ class ScopeTracker:
         self._on_compiled_return = on_compiled_return
         self._local = threading.local()
         self._handles: list[RemovableHandle] = []
+        self._labels: dict[int, str] = {}  # id(submodule) -> its name (NOTE below)
         self._generation = 0  # bumped at every root forward
 
     def _stack(self) -> list[_Frame]:
@@ -164,67 +166,94 @@ class ScopeTracker:
             local.generation = self._generation
         return stack
 
+    # NOTE [One hook for every module]
+    # Dynamo guards on the hooks of each module it traces: with a hook closure per module, or
+    # with per-module ``always_call`` hooks (whose registry holds each handle's id), each of N
+    # blocks compiled alone (``block.compile()``) failed the guards of the others and compiled
+    # a graph of its own, and past dynamo's recompile limit (8) the rest ran uncompiled. So
+    # every submodule gets the same pre-hook, which looks its label up, and one global forward
+    # hook (``always_call``, so a forward that raises still pops its frame and, for a module
+    # called alone, its ``DecisionMode``) serves them all, ignoring modules of other models.
+    # The blocks then share one graph, as they do without GACT. The root keeps hooks of its
+    # own (``_eager``: see NOTE [Compiled forwards]).
     def attach(self, *, root_only: bool = False) -> None:
         """Register forward pre/post hooks on every module of the model (``root_only``: on the
         root alone, for a compiled model: see NOTE [Compiled forwards])."""
         if self._handles:
             return
+        enter, leave = self._module_hooks()
         for name, module in self._model.named_modules():
-            if name and root_only:
+            if not name:
+                self._handles.append(module.register_forward_pre_hook(self._root_enter()))
+                leave_root = self._root_leave()
+                self._handles.append(module.register_forward_hook(leave_root, always_call=True))
+            elif root_only:
                 break
-            label = name or "<root>"
-            self._handles.append(module.register_forward_pre_hook(self._make_enter(label)))
-            self._handles.append(
-                module.register_forward_hook(self._make_exit(label), always_call=True)
-            )
+            else:
+                self._labels[id(module)] = name
+                self._handles.append(module.register_forward_pre_hook(enter))
+        if self._labels:
+            self._handles.append(register_module_forward_hook(leave, always_call=True))
 
     def detach(self) -> None:
         """Remove the hooks; the tracker can be attached again later."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._labels.clear()
         self._local = threading.local()
 
-    def _make_enter(self, label: str):
+    def _push(self, module: nn.Module, label: str) -> None:
+        stack = self._stack()
+        if len(stack) == 1:  # entering the model (its root, or a submodule called alone)
+            self._local.entered = next(_ticks)
+            self._local.compiled = label == "<root>" and _called_by_dynamo()
+            if not self._local.compiled:
+                _ModeScope.enter()
+        stack.append(_Frame(module, label))
+
+    def _pop(self, module: nn.Module) -> None:
+        stack = self._stack()
+        # Pop up to and including this module's frame (a frame left behind by an exception in
+        # a hook of a submodule is discarded with it).
+        for depth in range(len(stack) - 1, 0, -1):
+            if stack[depth].module is module:
+                del stack[depth:]
+                if depth == 1 and not self._local.compiled:
+                    _ModeScope.leave()
+                return
+
+    def _module_hooks(self):
+        labels = self._labels
+
         def enter(module: nn.Module, args: object) -> None:
             if torch.compiler.is_compiling():
                 return  # a submodule traced by dynamo (see NOTE [Compiled forwards])
-            stack = self._stack()
-            if len(stack) == 1:  # entering the model (its root, or a submodule called alone)
-                self._local.entered = next(_ticks)
-                self._local.compiled = label == "<root>" and _called_by_dynamo()
-                if not self._local.compiled:
-                    _ModeScope.enter()
-            stack.append(_Frame(module, label))
+            self._push(module, labels[id(module)])
 
+        def leave(module: nn.Module, args: object, output: object) -> None:
+            if torch.compiler.is_compiling() or id(module) not in labels:
+                return  # traced by dynamo, or not this model's
+            self._pop(module)
+
+        return enter, leave
+
+    def _root_enter(self):
         def enter_root(module: nn.Module, args: object) -> None:
             self._generation += 1
             self._on_root_forward()
-            enter(module, args)
+            self._push(module, "<root>")
 
-        return _eager(enter_root) if label == "<root>" else enter
+        return _eager(enter_root)
 
-    def _make_exit(self, label: str):
-        def leave(module: nn.Module, args: object, output: object) -> None:
-            if torch.compiler.is_compiling():
-                return
-            stack = self._stack()
-            # Pop up to and including this module's frame (a frame left behind by an
-            # exception in a hook of a submodule is discarded with it).
-            for depth in range(len(stack) - 1, 0, -1):
-                if stack[depth].module is module:
-                    del stack[depth:]
-                    if depth == 1 and not self._local.compiled:
-                        _ModeScope.leave()
-                    return
-
+    def _root_leave(self):
         def leave_root(module: nn.Module, args: object, output: object) -> None:
             compiled = self.compiled()
-            leave(module, args, output)
+            self._pop(module)
             if compiled:
                 self._on_compiled_return(output)
 
-        return _eager(leave_root) if label == "<root>" else leave
+        return _eager(leave_root)
 
     def compiled(self) -> bool:
         """Whether the running forward of the model is a compiled one (on this thread)."""
