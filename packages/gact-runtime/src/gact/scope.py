@@ -129,9 +129,9 @@ class ScopeTracker:
 
         >>> model = nn.Sequential(nn.Linear(4, 4))
         >>> tracker = ScopeTracker(model, on_root_forward=lambda: None)
-        >>> _ = model[0].register_forward_hook(  # runs before the tracker leaves model[0]
-        ...     lambda m, a, out: print(tracker.next_key(out)))
         >>> tracker.attach()
+        >>> _ = model[0].register_forward_pre_hook(  # runs after the tracker entered model[0]
+        ...     lambda m, args: print(tracker.next_key(args[0])))
         >>> _ = model(torch.randn(2, 4))
         0#0:float32:2d
         >>> tracker.detach()
@@ -175,7 +175,9 @@ class ScopeTracker:
     # hook (``always_call``, so a forward that raises still pops its frame and, for a module
     # called alone, its ``DecisionMode``) serves them all, ignoring modules of other models.
     # The blocks then share one graph, as they do without GACT. The root keeps hooks of its
-    # own (``_eager``: see NOTE [Compiled forwards]).
+    # own (``_eager``: see NOTE [Compiled forwards]). PyTorch runs global forward hooks before
+    # a module's own, so what a user's forward hook on a submodule saves is named in the
+    # parent's scope (deterministically, as every key must be).
     def attach(self, *, root_only: bool = False) -> None:
         """Register forward pre/post hooks on every module of the model (``root_only``: on the
         root alone, for a compiled model: see NOTE [Compiled forwards])."""
