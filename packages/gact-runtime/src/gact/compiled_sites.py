@@ -133,6 +133,8 @@ class CompiledSite:
             decisions.py: on small maps it then takes more bits, as in eager code).
         like: a meta tensor like the saved one (static shapes only): a kept site is counted
             in the ledger with it whenever its graph runs (``SaveHooks.pack_site``).
+        graph_input: the saved node is an input of its graph, which may be a parameter
+            (``SaveHooks.pack_site`` checks it; intermediates never are).
     """
 
     owner: weakref.ref[SaveHooks]
@@ -147,6 +149,7 @@ class CompiledSite:
     row_length: int = 0
     batch_norm_input: bool = False
     like: torch.Tensor | None = None
+    graph_input: bool = False
 
     @property
     def hooks(self) -> SaveHooks:
@@ -173,6 +176,7 @@ class CompiledSite:
         key += f":{val.dim()}d"
         site = dict(owner=weakref.ref(hooks), key=key, dtype=val.dtype, device=val.device)
         site["graph"] = _graph_number(context["_fw_graph"])
+        site["graph_input"] = node.op in ("placeholder", "get_attr")
         if all(isinstance(n, int) for n in val.shape):
             site["like"] = torch.empty(val.shape, dtype=val.dtype, device="meta")
         config = hooks.plan.config

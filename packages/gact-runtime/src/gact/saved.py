@@ -512,9 +512,8 @@ class SaveHooks:
             self._graphs_counted.add(graph)
             for kept in kept_sites(site.graph):
                 self.ledger.record(kept.key, kept.like, Kind.KEPT, None, None)
-        if self.is_parameter(tensor):  # a graph's input that is state (NOTE in compiled.py)
-            self.ledger.record(_PARAM_KEY, tensor, Kind.PARAMETER, None, 0)
-            return SavedKept(tensor, _PARAM_KEY)
+        if site.graph_input and self.is_parameter(tensor):  # state (NOTE in compiled.py)
+            return self._kept_parameter(tensor)
         key = site.key
         spec = DecisionSpec(
             site.predicates,
@@ -563,8 +562,7 @@ class SaveHooks:
         if type(tensor) not in (torch.Tensor, nn.Parameter) or tensor.is_meta:
             return SavedKept(tensor, "<unsupported>")  # tensor subclasses, meta: not ours
         if self.is_parameter(tensor):
-            self.ledger.record(_PARAM_KEY, tensor, Kind.PARAMETER, None, 0)
-            return SavedKept(tensor, _PARAM_KEY)
+            return self._kept_parameter(tensor)
         # Every save advances its scope's counter, deduplicated or not, so that keys never
         # depend on how earlier tensors were treated (see NOTE [Save-site keys]).
         key = self.tracker.next_key(tensor)
@@ -604,6 +602,11 @@ class SaveHooks:
         if self.meter is not None:
             self._measure(saved, tensor, spec)
         return saved
+
+    def _kept_parameter(self, tensor: torch.Tensor) -> SavedKept:
+        """A save of a parameter or buffer: state, counted and kept as it is."""
+        self.ledger.record(_PARAM_KEY, tensor, Kind.PARAMETER, None, 0)
+        return SavedKept(tensor, _PARAM_KEY)
 
     def _measure(self, saved: Saved, tensor: torch.Tensor, spec: DecisionSpec | None) -> None:
         """Show the meter a save of ``tensor`` made during a call with ``spec`` (NOTE [Measured
