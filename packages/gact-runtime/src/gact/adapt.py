@@ -42,12 +42,13 @@ class Items:
             than ``metadata_bits``), else ``metadata_bits`` (a derivative table's codes carry a
             9-byte group header, not 8: NOTE [Derivative tables] in pointwise.py).
         lower: the smallest width of each item: 2 on the zero-exact grid (NOTE [Exact
-            decisions] in decisions.py), the saving call's ``min_bits`` (6 for fused attention:
-            NOTE [Attention and row normalisations]), else 1.
+            decisions] in decisions.py), the saving call's ``min_bits`` (6 for fused attention
+            whose fused backward reads them: NOTE [Attention and row normalisations]), else 1.
         pinned: 1 for two-valued items (NOTE [Two-valued tensors]), else 0 (free).
         preferred: the width each item takes at least where the budget holds it (``lower``,
-            or 2 more on small maps: NOTE [Small maps] in decisions.py), yielding a bit at a
-            time where it does not (NOTE [Preference tiers]).
+            or 2 more on small maps and for recomputed attention's queries and keys: NOTE
+            [Small maps] and NOTE [Attention and row normalisations] in decisions.py),
+            yielding a bit at a time where it does not (NOTE [Preference tiers]).
         fixed_bytes: bytes the step stores outside the items (kept tensors, masks, packs).
     """
 
@@ -394,7 +395,8 @@ class Adapter:
             self._warned_budget = True
             warnings.warn(
                 f"{problem}; using the smallest widths (1 bit, 2 for ReLU outputs, 6 for the "
-                "queries and keys of fused attention, plus metadata and exact decision masks). "
+                "queries and keys a fused attention backward reads, plus metadata and exact "
+                "decision masks). "
                 "Choose a level with more bits or a larger budget.",
                 GactWarning,
                 stacklevel=4,

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from . import attention
+
 __all__ = [
     "DECISION_NODES",
     "Decision",
@@ -73,18 +75,18 @@ __all__ = [
 #   backward recomputes the attention weights as ``exp(q k^T * scale - logsumexp)``: a rounding
 #   error in ``q``, ``k`` or the log-sum-exp multiplies weights by ``exp(error)``, whose mean is
 #   not 1, so the gradient is biased, not just noisy. On sharp attention at 2 bits the
-#   query/key gradients came out 1e10 times too large (tests/test_decisions.py). The call's spec
-#   gives the saves of ``q`` and ``k`` at least ``min_bits`` and keeps the saves of one value per
-#   query row (the log-sum-exp, ``exact_numel``) as they are. 6 bits: a score's error is then
-#   a fifth of its error at 4 bits, its variance, and exp's bias with it, 1/18. On the
-#   LLaMA-style decoder of BENCHMARKS.md, "Stability" (seed 0), L1 ended as close to fp32 with 6
-#   as with 8 (+0.4%; +2.3% without the floor, 3 seeds), while the adaptive L2, whose budget
-#   pays for the floor, ended +5.2% with 8 (the other tensors left 3 bits), +1.2% with 6 and
-#   +1.6% with 5. ``v`` and the output enter the backward linearly (their rounding stays
-#   unbiased) and are compressed like any tensor, though the keys' shared mean amplifies their
-#   error (it breaks the cancellation, rows of softmax's gradient summing to 0, that keeps the
-#   query gradient blind to that mean): the sensitivities of the adaptive levels see it. The math fallback, which saves scaled copies
-#   and the attention weights (read linearly or through softmax), gets no floor.
+#   query/key gradients came out 1e10 times too large. Where GACT compresses the call's saves it
+#   therefore runs the call as ``attention.recomputed`` (NOTE [Attention from its rounded inputs]
+#   in attention.py), which saves ``q``, ``k`` and ``v`` alone and differentiates the call again
+#   at their rounded values; ``q`` and ``k`` prefer ``ATTENTION_EXTRA_BITS`` more bits than the
+#   level's (their error moves every score of a row; on the LLaMA-style decoder of BENCHMARKS.md,
+#   "Stability", the query and key projections' rounding variance at L1 after 300 steps was 9%
+#   of the minibatch variance with 6 bits, 22% with 4). Where the fused backward still reads
+#   rounded saves (NOTE [Attention from its rounded inputs] lists when), the call's spec gives
+#   ``q`` and ``k`` at least ``min_bits`` (6: a score's error a fifth of its error at 4 bits, its
+#   variance, and exp's bias with it, 1/18) and keeps the saves of one value per query row (the
+#   log-sum-exp, ``exact_numel``) as they are. The math fallback, which saves scaled copies and
+#   the attention weights (read linearly or through softmax), gets neither.
 # - LayerNorm and RMSNorm divide each row by its own spread, as BatchNorm does each channel
 #   (NOTE [channel groups] in gact_kernels/_layout.py): a group spanning rows of different scale
 #   (ViT's class token beside its patches) gives the small row an error of many of its own
@@ -204,6 +206,8 @@ class DecisionSpec:
             rounding never reaches the gradient (NOTE [Measured sensitivities] in measured.py).
         shape_ids: ``id()`` of the call's arguments whose saves the backward reads only for
             their shape: stored as the shape alone (NOTE [Shape-only saves]).
+        recompute: the call runs as ``attention.recomputed``, whose backward recomputes it from
+            its rounded saves (NOTE [Attention from its rounded inputs] in attention.py).
     """
 
     predicates: tuple[tuple[bool, float], ...] = ()
@@ -221,6 +225,7 @@ class DecisionSpec:
     linear: LinearUse | None = None
     only_decisions: bool = False
     shape_ids: frozenset[int] = frozenset()
+    recompute: bool = False
 
     @property
     def decides(self) -> bool:
@@ -349,12 +354,17 @@ def _silu(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
 
 
 ATTENTION_BITS = 6  # the smallest width of a fused attention's q and k (NOTE above)
+ATTENTION_EXTRA_BITS = 2  # bits above the level's that a recomputed attention's q and k prefer
 
 
 def _attention(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
     q, k = _arg(args, kwargs, 0, "query", None), _arg(args, kwargs, 1, "key", None)
     if not all(isinstance(t, torch.Tensor) and t.dim() >= 2 for t in (q, k)) or not q.numel():
         return None
+    if attention.recomputes(args, kwargs):  # NOTE [Attention from its rounded inputs]
+        return DecisionSpec(
+            extra_bits=ATTENTION_EXTRA_BITS, precise_ids=frozenset({id(q), id(k)}), recompute=True
+        )
     rows = q.numel() // q.shape[-1]
     # the memory-efficient kernel pads each head's log-sum-exp to a multiple of 32 rows
     padded = rows // q.shape[-2] * (-(-q.shape[-2] // 32) * 32)
@@ -775,7 +785,7 @@ class DecisionMode(TorchFunctionMode):
         outer, outer_waiting = current_spec(), getattr(_local, "waiting", None)
         _local.spec, _local.waiting = spec, []
         try:
-            out = func(*args, **kwargs)
+            out = (attention.recomputed if spec.recompute else func)(*args, **kwargs)
             for waiter in _local.waiting:
                 waiter.called(out)
             return out
