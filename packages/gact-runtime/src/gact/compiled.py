@@ -87,8 +87,8 @@ __all__ = [
 #   unseen by the ledger. While GACT's hooks are installed the mode is ``"no_static"``
 #   (``SavedInputs``): everything but static inputs (parameters), as eager GACT compresses
 #   every save; a parameter that still arrives is kept (``SaveHooks.pack_site``). A tensor
-#   saved by one graph as its output and by the next as its input is compressed by each, as
-#   two independent roundings (eager code stores it once); ``Controller._on_compiled_return``
+#   saved by one graph as its output and by the next as its input is stored once, as eager
+#   code stores it (NOTE [Boundary saves] in saved.py); ``Controller._on_compiled_return``
 #   warns when a compiled forward's saves reached no hook at all.
 # ``_SITES`` keeps the traced sites for the process's life (a compiled graph may run again as
 # long as its hooks' ids are installed: dynamo's guard), but a site refers to its controller's

@@ -108,6 +108,38 @@ _BATCH_NORMS = {
 _STORABLE = frozenset({torch.bool, *gact_kernels.FLOAT_DTYPES, *gact_kernels.INT_DTYPES})
 
 
+# Ops whose result always shares its argument's storage (unlike reshape, clone or a cast).
+_ALIASES = {
+    "aten.detach", "aten.alias", "aten.view", "aten._unsafe_view", "aten.t", "aten.transpose",
+    "aten.permute", "aten.expand", "aten.squeeze", "aten.unsqueeze", "aten.slice", "aten.select",
+    "aten.as_strided", "aten.unflatten", "aten.split", "aten.split_with_sizes", "aten.unbind",
+}  # fmt: skip
+
+
+def _aliased(node: torch.fx.Node) -> torch.fx.Node:
+    """The node whose value ``node`` is an alias of (``node`` itself if none)."""
+    while op_name(node) in _ALIASES and node.args and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    return node
+
+
+def _returned(node: torch.fx.Node, graph: torch.fx.Graph) -> bool:
+    """Whether ``node``, or the value it is an alias of, is an output the forward ``graph``
+    returns to its caller, not a value it only saves for the backward."""
+    returned = _RETURNED.get(graph)
+    if returned is None:
+        # The forward graph returns its caller's outputs, then the values it saves, in the
+        # order AOTAutograd traces their hooks, and changes its outputs only after the last
+        # one: at the first traced save, every output before that save's place is the
+        # caller's, or a save not handed to the hooks (a parameter, never a reused buffer).
+        outputs = list(graph.output_node().args[0])
+        first = max((i for i, out in enumerate(outputs) if out is node), default=0)
+        returned = _RETURNED[graph] = frozenset(
+            out for out in outputs[:first] if isinstance(out, torch.fx.Node)
+        )
+    return _aliased(node) in returned
+
+
 def op_name(node: torch.fx.Node) -> str:
     """The name of the op ``node`` calls without its overload: ``aten.mm``, ``prims.fma``."""
     return str(getattr(node.target, "overloadpacket", node.target))
@@ -135,6 +167,8 @@ class CompiledSite:
             in the ledger with it whenever its graph runs (``SaveHooks.pack_site``).
         graph_input: the saved node is an input of its graph, which may be a parameter
             (``SaveHooks.pack_site`` checks it; intermediates never are).
+        graph_output: the saved node is, or is a view of, an output of its graph: a tensor the
+            code around the graph holds and may save again (NOTE [Boundary saves] in saved.py).
     """
 
     owner: weakref.ref[SaveHooks]
@@ -150,6 +184,7 @@ class CompiledSite:
     batch_norm_input: bool = False
     like: torch.Tensor | None = None
     graph_input: bool = False
+    graph_output: bool = False
 
     @property
     def hooks(self) -> SaveHooks:
@@ -177,6 +212,7 @@ class CompiledSite:
         site = dict(owner=weakref.ref(hooks), key=key, dtype=val.dtype, device=val.device)
         site["graph"] = _graph_number(context["_fw_graph"])
         site["graph_input"] = node.op in ("placeholder", "get_attr")
+        site["graph_output"] = _returned(node, context["_fw_graph"])
         if all(isinstance(n, int) for n in val.shape):
             site["like"] = torch.empty(val.shape, dtype=val.dtype, device="meta")
         config = hooks.plan.config
@@ -227,7 +263,7 @@ class CompiledSite:
                 return cls(keep="LayerNorm's statistics", **site)
             else:
                 return cls(keep=f"read by {op} in the compiled backward", **site)
-        zero_exact = predicates == {(True, 0.0)} and op_name(node) in _RELU
+        zero_exact = predicates == {(True, 0.0)} and op_name(_aliased(node)) in _RELU
         return cls(
             keep=None,
             predicates=() if zero_exact else tuple(sorted(predicates)),
@@ -373,6 +409,10 @@ def _numel(shape: Sequence[Any]) -> int:
 _NUMBERS: weakref.WeakKeyDictionary[torch.fx.Graph, int] = weakref.WeakKeyDictionary()
 _KEPT: dict[int, list[CompiledSite]] = {}  # graph number -> its sites kept as they are
 _GRAPH_NUMBERS = itertools.count(1)
+# forward graph -> the nodes it returns to its caller (``_returned``)
+_RETURNED: weakref.WeakKeyDictionary[torch.fx.Graph, frozenset[torch.fx.Node]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _graph_number(graph: torch.fx.Graph) -> int:

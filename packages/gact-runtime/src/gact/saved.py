@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import gact_kernels
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import compiled, decisions, pointwise
 from .compiled_sites import CompiledSite, kept_sites
@@ -325,6 +326,65 @@ class _LiveTable:
         return len(self._entries)
 
 
+# NOTE [Boundary saves]
+# A tensor a compiled graph returns and saves (a block ending in ReLU), and that the next graph
+# or eager code saves again (the next block's first layer), reaches the hooks as two different
+# Python objects, both aliases of one storage: AOTAutograd saves a ``detach`` of the output,
+# and a graph's input may arrive as an alias of the caller's tensor. The live table above,
+# keyed by object, does not see them as one, so such a tensor was stored twice, as two
+# independent roundings (a model compiled block by block stored 1.9x what eager code stores;
+# ``stats()`` counted it twice in the bytes autograd would hold, too). ``_LiveStorages`` maps
+# the saves at a compiled graph's boundary (its inputs and outputs), and while any compiled
+# graph has saved, eager saves too, by storage, offset, shape, strides and dtype, to what their
+# first save stored. Only boundaries: compiled code reuses an intermediate's buffer, unseen by
+# its version counter, once its save is packed, but never an output it returned nor an input it
+# was given. A weak reference to the storage keeps its address from being reused while the
+# entry lives and tells when it died; the version counter, shared by every alias, tells an
+# in-place change.
+
+
+class _LiveStorages:
+    """Weak map from live storages (same storage, offset, shape, strides, dtype, version and
+    forward) to what ``pack`` returned for a tensor on them (NOTE [Boundary saves])."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple, tuple[StorageWeakRef, int, weakref.ref, int]] = {}
+
+    @staticmethod
+    def _key(tensor: torch.Tensor) -> tuple:
+        return (
+            tensor.untyped_storage()._cdata, tensor.storage_offset(), tuple(tensor.shape),
+            tensor.stride(), tensor.dtype,
+        )  # fmt: skip
+
+    def get(self, tensor: torch.Tensor, forward: int) -> Saved | None:
+        entry = self._entries.get(self._key(tensor))
+        if (
+            entry is None
+            or entry[0].expired()
+            or entry[1] != tensor._version
+            or entry[3] != forward
+        ):
+            return None
+        return entry[2]()
+
+    def add(self, tensor: torch.Tensor, saved: Saved, forward: int) -> None:
+        storage = tensor.untyped_storage()
+        self._entries[self._key(tensor)] = (
+            StorageWeakRef(storage),
+            tensor._version,
+            weakref.ref(saved),
+            forward,
+        )
+
+    def clear(self) -> None:
+        """Drop every entry (a new forward starts: old entries can no longer match)."""
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
 # NOTE [Checkpointed regions]
 # Non-reentrant ``torch.utils.checkpoint`` is itself a pair of saved-tensor hooks: inside a
 # region its hooks are the innermost, so GACT never sees what the region saves, neither in the
@@ -418,6 +478,7 @@ class SaveHooks:
         self.ledger = ledger
         self.swapper = swapper
         self.live = _LiveTable()
+        self.boundaries = _LiveStorages()  # NOTE [Boundary saves]
         self.pending: collections.deque[SavedCompressed] = collections.deque()  # NOTE below
         self.unpacked = 0  # unpack calls so far: tells whether a closure ran a backward
         self.probing = False  # a ProbeSession is running its probes
@@ -495,6 +556,7 @@ class SaveHooks:
     def forward_started(self) -> None:
         """The controlled model's root forward starts: forget the last forward's saves."""
         self.live.clear()
+        self.boundaries.clear()
         self._graphs_counted.clear()
 
     def traced(self, site: CompiledSite) -> None:
@@ -527,12 +589,28 @@ class SaveHooks:
             else 0,
         )
         kind, compact = self._classify(key, tensor, spec, inside=True, exact=False)
+        boundary = site.graph_input or site.graph_output  # NOTE [Boundary saves]
+        if boundary:
+            hit = self.live.get(tensor, self.tracker.generation) or self.boundaries.get(
+                tensor, self.tracker.generation
+            )
+            if isinstance(hit, SavedKept) or (
+                isinstance(hit, SavedCompressed) and hit.table is None and kind is None
+            ):
+                self.ledger.deduplicated += 1
+                if isinstance(hit, SavedCompressed) and spec.predicates:
+                    self._decide(hit, tensor, spec)
+                    assert hit.decision is not None
+                    hit.decision.consumers.add(compiled.COMPILED_NODE)
+                return hit
         if kind is not None:
             self._record_kept(key, tensor, kind)
             # the compiled code reuses the buffer once its save is packed: hold a copy
             return SavedKept(tensor.clone(), key)
         saved = self._compress(key, tensor, compact, spec)
         assert isinstance(saved, SavedCompressed)
+        if boundary:
+            self.boundaries.add(tensor, saved, self.tracker.generation)
         # The compiled code reuses the buffer, and bumps its version, once its save is packed;
         # nothing else can write to a compiled graph's intermediate: no version to check. A
         # pending quantization would read its lossless groups out of the buffer later (NOTE
@@ -575,6 +653,8 @@ class SaveHooks:
             self.ledger.record(key, tensor, Kind.SHAPE, None, 0)
             return SavedShape(tensor, key)
         hit = self.live.get(tensor, self.tracker.generation)
+        if hit is None and self.boundaries:  # a compiled graph's (NOTE [Boundary saves])
+            hit = self.boundaries.get(tensor, self.tracker.generation)
         if isinstance(hit, SavedCompressed) and hit.table is not None:
             hit = None  # only the function's own backward may read a table (NOTE in pointwise.py)
         exact = region_input and not self.plan.config.compress_checkpoint_inputs
@@ -593,12 +673,13 @@ class SaveHooks:
         kind, compact = self._classify(key, tensor, spec, inside=inside, exact=exact)
         if kind is not None:
             saved: Saved = SavedKept(tensor, key)
-            self.live.add(tensor, saved, self.tracker.generation)
             self._record_kept(key, tensor, kind)
-            if self.meter is not None:
-                self._measure(saved, tensor, spec)
-            return saved
-        saved = self._compress(key, tensor, compact, spec)
+        else:
+            saved = self._compress(key, tensor, compact, spec)
+        if not (isinstance(saved, SavedCompressed) and saved.table is not None):
+            self.live.add(tensor, saved, self.tracker.generation)
+            if self.compiled_sites:  # a compiled graph may save it again: NOTE [Boundary saves]
+                self.boundaries.add(tensor, saved, self.tracker.generation)
         if self.meter is not None:
             self._measure(saved, tensor, spec)
         return saved
@@ -746,10 +827,7 @@ class SaveHooks:
         if compact is not None:
             saved.expand_to = tensor.shape
         saved.view_to = view_to
-        if table is not None:
-            saved.table = table  # not in the live table: never shared (see pack_own)
-        else:
-            self.live.add(tensor, saved, self.tracker.generation)
+        saved.table = table  # a table is never shared (see pack_own)
         held = saved.known  # lossless groups of a pending one reach the ledger when resolved
         nbytes = held.nbytes
         quantized = isinstance(held, gact_kernels.QuantizedTensor)
