@@ -290,6 +290,7 @@ def train(task: Task, level: str, seed: int, lr: float, args: argparse.Namespace
         "channel_errors": errors,
         "ratio": controller.stats()["ratio"],
         "adapt_budget": config.adapt_budget,
+        "adaptations": controller.stats()["adaptations"],
     }
 
 

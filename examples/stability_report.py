@@ -28,14 +28,16 @@ def _levels(records: list[dict[str, Any]]) -> list[str]:
 
 def divergence_table(records: list[dict[str, Any]]) -> str:
     """Per model, learning rate and level: the step of the first NaN in each seed ("-" for
-    none), the final loss (mean over seeds that finished) and its change against fp32's."""
+    none), the final loss (mean over seeds that finished) and its change against fp32's, the
+    largest gradient norm, and the adaptations each seed's run made ("?" in records that
+    predate the field)."""
     groups: dict[tuple[str, str, float], list[dict[str, Any]]] = defaultdict(list)
     for r in records:
         groups[(r["model"], r["layout"], r["lr"])].append(r)
     lines = [
         "| model | lr | level | first NaN per seed | final loss (mean ± sd) | vs fp32 | "
-        "largest gradient norm |",
-        "|---|---|---|---|---|---|---|",
+        "largest gradient norm | adaptations per seed |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for (model, layout, lr), runs in sorted(groups.items()):
         base = [r["final_loss"] for r in runs if r["level"] == "L0"]
@@ -55,7 +57,11 @@ def divergence_table(records: list[dict[str, Any]]) -> str:
                 loss, delta = "diverged", ""
             grad = max(r["max_grad_norm"] for r in at)
             name = model if layout == "channel" else f"{model} (memory-order groups)"
-            lines.append(f"| {name} | {lr:g} | {level} | {nans} | {loss} | {delta} | {grad:.3g} |")
+            adapted = ", ".join(str(r.get("adaptations", "?")) for r in at)
+            lines.append(
+                f"| {name} | {lr:g} | {level} | {nans} | {loss} | {delta} | {grad:.3g} "
+                f"| {adapted} |"
+            )
     return "\n".join(lines)
 
 

@@ -276,7 +276,7 @@ def test_stability_script_records_divergence(data_root, tmp_path, script):
     argv += ["--steps", "20", "--batch-size", "4", "--images", "16", "--out", str(tmp_path / "s")]
     (rec,) = script("stability.py").main(argv)
     assert rec["first_nan_step"] is not None and len(rec["losses"]) == rec["first_nan_step"] + 1
-    assert math.isnan(rec["final_loss"])
+    assert math.isnan(rec["final_loss"]) and rec["adaptations"] == 0
 
 
 def test_stability_adapt_budget_is_checked(data_root, capsys, script):
@@ -292,7 +292,7 @@ def test_stability_report(tmp_path, script):
         return {
             "model": "resnet18", "layout": "channel", "lr": 0.1, "level": level, "seed": seed,
             "first_nan_step": nan, "final_loss": loss, "max_grad_norm": 10.0 + seed,
-            "variance_ratios": ratios or {},
+            "variance_ratios": ratios or {}, "adaptations": 3 * seed,
         }  # fmt: skip
 
     records = [
@@ -309,7 +309,7 @@ def test_stability_report(tmp_path, script):
     path = tmp_path / "r.json"
     path.write_text(json.dumps(records))
     text = script("stability_report.py").main([str(path)])
-    assert "| resnet18 | 0.1 | L1 | -, - | 1.100 ± 0.000 | +0.0% | 11 |" in text
+    assert "| resnet18 | 0.1 | L1 | -, - | 1.100 ± 0.000 | +0.0% | 11 | 0, 3 |" in text
     assert "| resnet18 | 0.1 | L1.2 | 7, 12 | diverged |" in text
     # per level, the largest over the layer's parameters and seeds
     l1, l2 = text.split("(L1, largest")[1].split("(L2, largest")
