@@ -15,10 +15,11 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch._inductor.config
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from .compiled_sites import VIEWS, CompiledSite, add_kept, op_name
+from .compiled_sites import VIEWS, CompiledSite, SaveReluOutputs, add_kept, op_name
 from .errors import GactError
 
 if TYPE_CHECKING:
@@ -26,8 +27,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "COMPILED_NODE",
+    "CompileSettings",
     "SaveHookModule",
-    "SavedInputs",
     "never_compiled",
     "pack_on_thread",
     "pack_traced",
@@ -85,7 +86,7 @@ __all__ = [
 #   others "may be held elsewhere"), so a model compiled block by block (``block.compile()``),
 #   or split into a graph per layer by a graph break, kept every block's input as it is,
 #   unseen by the ledger. While GACT's hooks are installed the mode is ``"no_static"``
-#   (``SavedInputs``): everything but static inputs (parameters), as eager GACT compresses
+#   (``CompileSettings``): everything but static inputs (parameters), as eager GACT compresses
 #   every save; a parameter that still arrives is kept (``SaveHooks.pack_site``). A tensor
 #   saved by one graph as its output and by the next as its input is stored once, as eager
 #   code stores it (NOTE [Boundary saves] in saved.py); ``Controller._on_compiled_return``
@@ -322,34 +323,41 @@ def never_compiled(fn: Callable[..., Any]) -> None:
     set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
 
 
-class SavedInputs:
-    """While any GACT hooks are installed, AOTAutograd hands compiled graphs' saved inputs and
-    outputs to them too (NOTE [Compiled saves]): ``enter()`` at each install, ``exit()`` at
-    each uninstall; a mode the user chose other than the default is left alone."""
+class CompileSettings:
+    """What GACT sets in ``torch.compile``'s configuration while any of its hooks are installed
+    (``enter()`` at each install, ``exit()`` at each uninstall; settings the user chose are left
+    alone): AOTAutograd hands compiled graphs' saved inputs and outputs to the hooks too (NOTE
+    [Compiled saves]), and inductor's partitioner saves ReLU outputs (NOTE [Saved ReLU outputs]
+    in compiled_sites.py)."""
 
     _depth = 0
-    _set = False  # whether the first enter() changed the mode (exit() then restores it)
+    _filtering = False  # whether the first enter() changed the filtering mode
+    _relu_pass: SaveReluOutputs | None = None  # the pass the first enter() installed
 
     @classmethod
     def enter(cls) -> None:
-        config = torch._functorch.config
+        config, inductor = torch._functorch.config, torch._inductor.config
         with _LOCK:
             if cls._depth == 0:
                 mode = getattr(config, "saved_tensors_hooks_filtering_mode", None)
-                cls._set = mode == "donated"
-                if cls._set:
+                cls._filtering = mode == "donated"
+                if cls._filtering:
                     config.saved_tensors_hooks_filtering_mode = "no_static"
+                if inductor.joint_custom_pre_pass is None:
+                    cls._relu_pass = inductor.joint_custom_pre_pass = SaveReluOutputs()
             cls._depth += 1
 
     @classmethod
     def exit(cls) -> None:
-        config = torch._functorch.config
+        config, inductor = torch._functorch.config, torch._inductor.config
         with _LOCK:
             cls._depth -= 1
-            if cls._depth == 0 and cls._set:
-                if config.saved_tensors_hooks_filtering_mode == "no_static":
+            if cls._depth == 0:
+                if cls._filtering and config.saved_tensors_hooks_filtering_mode == "no_static":
                     config.saved_tensors_hooks_filtering_mode = "donated"
-                cls._set = False
+                if cls._relu_pass is not None and inductor.joint_custom_pre_pass is cls._relu_pass:
+                    inductor.joint_custom_pre_pass = None
+                cls._filtering, cls._relu_pass = False, None
 
 
 def pack_on_thread(tensor: torch.Tensor) -> Any:

@@ -206,7 +206,7 @@ class Controller:
         self.tracker.attach(root_only=is_compiled)  # see NOTE [Compiled forwards] in scope.py
         context = torch.autograd.graph.saved_tensors_hooks(*self.hooks.modules)
         context.__enter__()
-        compiled.SavedInputs.enter()
+        compiled.CompileSettings.enter()
         self._context = context
         self._thread = threading.get_ident()
         self._ever_installed = True
@@ -231,7 +231,7 @@ class Controller:
                 "still active; exit it before uninstall_hook()"
             )
         self._context.__exit__(None, None, None)
-        compiled.SavedInputs.exit()
+        compiled.CompileSettings.exit()
         self._context = None
         installed_hooks().remove(self.hooks)
         _INSTALLED.discard(self)
