@@ -54,14 +54,17 @@ __all__ = ["VIEWS", "CompiledSite", "SaveReluOutputs", "add_kept", "kept_sites",
 # Inductor's partitioner recomputes cheap pointwise ops in the backward rather than save their
 # outputs: a ReLU after a BatchNorm is recomputed from the convolution's output, so its decision
 # is taken on that recomputed value, and that output must then be kept as it is (a recomputed
-# decision, above). On the ResNet-18 layout at L2 that kept the stem's and every block's
-# pre-activations: 3.44x less stored than fp32, where eager code stores 7.91x less. While GACT's
+# decision, above). On the ResNet-18 layout at L2 that kept the stem's pre-activation, its
+# largest tensor: 3.44x less stored than fp32, where eager code stores 7.91x less. While GACT's
 # hooks are installed, inductor's joint-graph pass ``SaveReluOutputs`` marks every ReLU of the
 # forward ``MUST_SAVE`` (the partitioner's own tag for what activation checkpointing must keep):
 # the backward reads the ReLU's output, which is stored on the zero-exact grid, and the
-# pre-activation is compressed like any BatchNorm input. Same model: 7.65x. Compiled fp32 code
-# (no GACT installed) is partitioned as before, and a pass the user set is left alone
-# (``compiled.CompileSettings``); aot_eager's partitioner recomputes nothing.
+# pre-activation is compressed like any BatchNorm input. Same model: 7.65x. The setting is
+# global while any GACT hooks are installed, like AOTAutograd's filtering mode: a graph compiled
+# then for another model saves its ReLU outputs too: one more activation per ReLU that its
+# partitioner would have recomputed. Code compiled with no GACT installed is partitioned as
+# before, a pass the user set is left alone (``compiled.CompileSettings``), and aot_eager's
+# partitioner recomputes nothing.
 class SaveReluOutputs(CustomGraphPass):
     """Inductor joint-graph pass: every ``aten.relu`` output is saved, not recomputed (NOTE
     [Saved ReLU outputs])."""
