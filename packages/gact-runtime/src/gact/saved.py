@@ -332,8 +332,9 @@ class _LiveTable:
 # Python objects, both aliases of one storage: AOTAutograd saves a ``detach`` of the output,
 # and a graph's input may arrive as an alias of the caller's tensor. The live table above,
 # keyed by object, does not see them as one, so such a tensor was stored twice, as two
-# independent roundings (a model compiled block by block stored 1.9x what eager code stores;
-# ``stats()`` counted it twice in the bytes autograd would hold, too). ``_LiveStorages`` maps
+# independent roundings (four tanh blocks compiled alone stored 1.7x, under aot_eager, and 1.5x,
+# under inductor, what eager code stores; ``stats()`` counted it twice in the bytes autograd
+# would hold, too). ``_LiveStorages`` maps
 # the saves at a compiled graph's boundary (its inputs and outputs), and while any compiled
 # graph has saved, eager saves too, by storage, offset, shape, strides and dtype, to what their
 # first save stored. Only boundaries: compiled code reuses an intermediate's buffer, unseen by
@@ -598,10 +599,13 @@ class SaveHooks:
                 isinstance(hit, SavedCompressed) and hit.table is None and kind is None
             ):
                 self.ledger.deduplicated += 1
-                if isinstance(hit, SavedCompressed) and spec.predicates:
-                    self._decide(hit, tensor, spec)
-                    assert hit.decision is not None
-                    hit.decision.consumers.add(compiled.COMPILED_NODE)
+                if isinstance(hit, SavedCompressed):
+                    if hit.pending:  # as below: the graph may write its input back in place
+                        hit.resolve()
+                    if spec.predicates:
+                        self._decide(hit, tensor, spec)
+                        assert hit.decision is not None
+                        hit.decision.consumers.add(compiled.COMPILED_NODE)
                 return hit
         if kind is not None:
             self._record_kept(key, tensor, kind)
