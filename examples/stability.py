@@ -269,6 +269,7 @@ def train(task: Task, level: str, seed: int, lr: float, args: argparse.Namespace
                 first_nan = step
                 break
     tail = losses[-args.tail :]
+    stats = controller.stats()
     return {
         "model": args.model,
         "level": level,
@@ -288,9 +289,9 @@ def train(task: Task, level: str, seed: int, lr: float, args: argparse.Namespace
             "rounding_batches": args.rounding_batches,
         },
         "channel_errors": errors,
-        "ratio": controller.stats()["ratio"],
+        "ratio": stats["ratio"],
         "adapt_budget": config.adapt_budget,
-        "adaptations": controller.stats()["adaptations"],
+        "adaptations": stats["adaptations"],
     }
 
 

@@ -78,12 +78,15 @@ class SaveReluOutputs(CustomGraphPass):
         return "gact.SaveReluOutputs.1"
 
 
-# Uses that pass the tensor on unchanged (followed to their own users).
-VIEWS = {
-    "aten.t", "aten.transpose", "aten.permute", "aten.view", "aten.reshape", "aten._unsafe_view",
-    "aten.expand", "aten.squeeze", "aten.unsqueeze", "aten.slice", "aten.select", "aten.clone",
-    "aten.alias", "aten.detach", "aten.contiguous", "aten._to_copy", "aten.as_strided",
-    "aten.unflatten", "aten.flatten", "aten.split", "aten.split_with_sizes", "aten.unbind",
+# Ops whose result always shares its argument's storage (``_aliased`` follows only these).
+_ALIASES = {
+    "aten.detach", "aten.alias", "aten.view", "aten._unsafe_view", "aten.t", "aten.transpose",
+    "aten.permute", "aten.expand", "aten.squeeze", "aten.unsqueeze", "aten.slice", "aten.select",
+    "aten.as_strided", "aten.unflatten", "aten.split", "aten.split_with_sizes", "aten.unbind",
+}  # fmt: skip
+# Uses that pass the tensor on unchanged (followed to their own users): aliases and copies.
+VIEWS = _ALIASES | {
+    "aten.reshape", "aten.flatten", "aten.clone", "aten.contiguous", "aten._to_copy",
     "prims.convert_element_type",
 }  # fmt: skip
 # Uses whose result is linear in the tensor or a smooth function of it: compressed, as eager
@@ -137,14 +140,6 @@ _BATCH_NORMS = {
     "aten.native_batch_norm",
 }  # fmt: skip
 _STORABLE = frozenset({torch.bool, *gact_kernels.FLOAT_DTYPES, *gact_kernels.INT_DTYPES})
-
-
-# Ops whose result always shares its argument's storage (unlike reshape, clone or a cast).
-_ALIASES = {
-    "aten.detach", "aten.alias", "aten.view", "aten._unsafe_view", "aten.t", "aten.transpose",
-    "aten.permute", "aten.expand", "aten.squeeze", "aten.unsqueeze", "aten.slice", "aten.select",
-    "aten.as_strided", "aten.unflatten", "aten.split", "aten.split_with_sizes", "aten.unbind",
-}  # fmt: skip
 
 
 def _aliased(node: torch.fx.Node) -> torch.fx.Node:

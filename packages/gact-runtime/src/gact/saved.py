@@ -592,9 +592,7 @@ class SaveHooks:
         kind, compact = self._classify(key, tensor, spec, inside=True, exact=False)
         boundary = site.graph_input or site.graph_output  # NOTE [Boundary saves]
         if boundary:
-            hit = self.live.get(tensor, self.tracker.generation) or self.boundaries.get(
-                tensor, self.tracker.generation
-            )
+            hit = self._live_save(tensor)
             if isinstance(hit, SavedKept) or (
                 isinstance(hit, SavedCompressed) and hit.table is None and kind is None
             ):
@@ -656,9 +654,7 @@ class SaveHooks:
         ):  # NOTE [Shape-only saves]
             self.ledger.record(key, tensor, Kind.SHAPE, None, 0)
             return SavedShape(tensor, key)
-        hit = self.live.get(tensor, self.tracker.generation)
-        if hit is None and self.boundaries:  # a compiled graph's (NOTE [Boundary saves])
-            hit = self.boundaries.get(tensor, self.tracker.generation)
+        hit = self._live_save(tensor)
         if isinstance(hit, SavedCompressed) and hit.table is not None:
             hit = None  # only the function's own backward may read a table (NOTE in pointwise.py)
         exact = region_input and not self.plan.config.compress_checkpoint_inputs
@@ -687,6 +683,14 @@ class SaveHooks:
         if self.meter is not None:
             self._measure(saved, tensor, spec)
         return saved
+
+    def _live_save(self, tensor: torch.Tensor) -> Saved | None:
+        """What this forward's save of ``tensor`` returned, if it was saved already: the same
+        object, or the same storage view (NOTE [Boundary saves])."""
+        hit = self.live.get(tensor, self.tracker.generation)
+        if hit is None and self.boundaries:
+            hit = self.boundaries.get(tensor, self.tracker.generation)
+        return hit
 
     def _kept_parameter(self, tensor: torch.Tensor) -> SavedKept:
         """A save of a parameter or buffer: state, counted and kept as it is."""
