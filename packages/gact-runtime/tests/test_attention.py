@@ -134,12 +134,13 @@ def test_recomputed_attention_is_the_exact_gradient_at_its_rounded_inputs(
     same call on the rounded values it saved (bit for bit on the CPU; CUDA's fused backward
     kernels may sum in any order); its output is the plain call's, and its backward leaves the
     random state as it found it. With dropout the backward replays the forward's random state:
-    the same mask (the CPU runs dropout on the math path, taken here for a fused kernel); under
-    autocast it replays the forward's autocast state: the same bfloat16 kernel."""
-    if name == "dropout" and device == "cpu":
-        monkeypatch.setattr(attention, "_fused_kernel", lambda bound: True)
+    the same mask; under autocast it replays the forward's autocast state: the same bfloat16
+    kernel. A call PyTorch runs on its math path here (dropout on the CPU, grouped float32
+    queries on CUDA) is taken for a fused one: the recomputation is the same."""
     kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in CALLS[name].items()}
     q, k, v, grad_out = _inputs(kv_heads=2 if kwargs.get("enable_gqa") else 4, device=device)
+    if not attention._fused_kernel(dict(query=q, key=k, value=v, **kwargs)):
+        monkeypatch.setattr(attention, "_fused_kernel", lambda bound: True)
 
     def amp() -> contextlib.AbstractContextManager:
         return torch.autocast(device, torch.bfloat16, enabled=name == "autocast")
