@@ -59,6 +59,21 @@ PYBIND11_MODULE(_cpu, m) {
       py::arg("inner"), py::arg("run"), py::arg("group_size"), py::arg("bits"), py::arg("seed"),
       py::arg("zero_exact"), py::arg("dtype"), py::arg("out"), py::arg("threads"), Release());
   m.def(
+      "rotate",
+      [](uintptr_t x, int dtype, int64_t n, int64_t block, uintptr_t out, int threads) {
+        gact::rotate_cpu(ptr<const void>(x), dtype, n, block, ptr<float>(out), threads);
+      },
+      py::arg("x"), py::arg("dtype"), py::arg("n"), py::arg("block"), py::arg("out"),
+      py::arg("threads"), Release());
+  m.def(
+      "unrotate",
+      [](uintptr_t y, int64_t n, int64_t block, uint64_t seed, int dtype, uintptr_t out,
+         int threads) {
+        gact::unrotate_cpu(ptr<const float>(y), n, block, seed, dtype, ptr<void>(out), threads);
+      },
+      py::arg("y"), py::arg("n"), py::arg("block"), py::arg("seed"), py::arg("dtype"),
+      py::arg("out"), py::arg("threads"), Release());
+  m.def(
       "bucketize",
       [](uintptr_t x, int dtype, int64_t n, uintptr_t bounds, int nb, uintptr_t out, int threads) {
         gact::bucketize_cpu(ptr<const void>(x), dtype, n, ptr<const float>(bounds), nb,

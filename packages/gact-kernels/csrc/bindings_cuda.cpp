@@ -39,6 +39,24 @@ PYBIND11_MODULE(_cuda, m) {
       py::arg("bits"), py::arg("seed"), py::arg("zero_exact"), py::arg("dtype"), py::arg("out"),
       py::arg("device"), py::arg("stream"), Release());
   m.def(
+      "rotate",
+      [](uintptr_t x, int dtype, int64_t n, int64_t block, uintptr_t out, int device,
+         uintptr_t stream) {
+        gact::rotate_cuda(ptr<const void>(x), dtype, n, block, ptr<float>(out), device,
+                          ptr<void>(stream));
+      },
+      py::arg("x"), py::arg("dtype"), py::arg("n"), py::arg("block"), py::arg("out"),
+      py::arg("device"), py::arg("stream"), Release());
+  m.def(
+      "unrotate",
+      [](uintptr_t y, int64_t n, int64_t block, uint64_t seed, int dtype, uintptr_t out,
+         int device, uintptr_t stream) {
+        gact::unrotate_cuda(ptr<const float>(y), n, block, seed, dtype, ptr<void>(out), device,
+                            ptr<void>(stream));
+      },
+      py::arg("y"), py::arg("n"), py::arg("block"), py::arg("seed"), py::arg("dtype"),
+      py::arg("out"), py::arg("device"), py::arg("stream"), Release());
+  m.def(
       "bucketize",
       [](uintptr_t x, int dtype, int64_t n, uintptr_t bounds, int nb, uintptr_t out, int device,
          uintptr_t stream) {

@@ -77,6 +77,18 @@
 //    bytes [start_g, start_g + ceil(m_g * w_g / 8)) with m_g its element count and start_g the
 //    sum of the byte counts of the groups before it; inside, code j is bits [j*w, (j+1)*w) of
 //    a little-endian bitstream, padding bits are 0. A chunk of 8 codes fills exactly w bytes.
+//  * Rotation (rotate / unrotate; block B a power of two in [2, kMaxRotationBlock]): element e
+//    of the first n - n % B lies in block e / B at position i = e % B; the tail is not rotated.
+//    Sign s(i) = -1 if hash32 of the quantisation stream of seed kSignSeed at index i has its
+//    top bit set, else +1. rotate reads x in its dtype and writes float32
+//      y = H (s * x) per block, by the butterflies: for h = 1, 2, 4, ..., B/2, for every k with
+//      k & h == 0: (y[k], y[k + h]) = (y[k] + y[k + h], y[k] - y[k + h]), in IEEE fp32;
+//    the tail is copied (as float32). unrotate reads float32 y, applies the same butterflies
+//    to each block, then v = s * (y * (1 / B)) (exact but for subnormals), and writes v in its
+//    output dtype: float32 as it is, float16/bfloat16 rounded stochastically as dequantised
+//    values are, with h from the rotation stream of its seed, key mix64(mix64(mix64(seed +
+//    GAMMA))), at index e; the tail is written the same way. H is the Sylvester-Hadamard
+//    matrix (H H = B I), so unrotate(rotate(x)) = x up to fp32 rounding.
 #pragma once
 
 #include <cstdint>
@@ -229,6 +241,9 @@ inline StreamKey split_key(uint64_t k) {
 }
 inline StreamKey quantize_key(uint64_t seed) { return split_key(mix64(seed + kGamma)); }
 inline StreamKey dequantize_key(uint64_t seed) { return split_key(mix64(mix64(seed + kGamma))); }
+inline StreamKey rotation_key(uint64_t seed) {
+  return split_key(mix64(mix64(mix64(seed + kGamma))));
+}
 // The part of the hash input that depends on the high 32 bits of the element index; constant
 // over runs of 2^32 elements, so the loops hoist it.
 GACT_HD uint32_t stream_high(StreamKey key, uint64_t e) {
@@ -437,6 +452,19 @@ inline void check_group_size(int64_t G) {
 inline void check_zero_exact(bool zero_exact, int bits) {
   if (zero_exact && bits < 2) {
     throw std::invalid_argument("zero_exact needs bits >= 2 (1 bit leaves one positive level)");
+  }
+}
+
+// ---- rotation ----------------------------------------------------------------------------------
+constexpr uint64_t kSignSeed = 0x6AC7;
+constexpr int64_t kMaxRotationBlock = 4096;
+// Whether position i of a rotation block has sign -1 (`signs` = quantize_key(kSignSeed)).
+GACT_HD bool rotation_negates(StreamKey signs, uint32_t i) {
+  return (hash32(signs, signs.k1, i) >> 31) != 0u;
+}
+inline void check_rotation_block(int64_t block) {
+  if (block < 2 || block > kMaxRotationBlock || (block & (block - 1)) != 0) {
+    throw std::invalid_argument("rotation block must be a power of two in [2, 4096]");
   }
 }
 

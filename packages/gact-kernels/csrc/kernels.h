@@ -50,6 +50,12 @@ void pack_ints_cpu(const void* x, int dtype, int64_t n, int64_t group_size, cons
 void unpack_ints_cpu(const uint8_t* data, int64_t data_bytes, const int64_t* mins,
                      const uint8_t* widths, const int64_t* starts, int64_t n,
                      int64_t group_size, int dtype, void* out, int threads);
+// Rotation (NOTE [storage and RNG invariants]): x, n elements of float dtype 0..2, to float32
+// out; unrotate: float32 y to n elements of float dtype 0..2 (16-bit ones rounded
+// stochastically from `seed`). block: a power of two in [2, 4096].
+void rotate_cpu(const void* x, int dtype, int64_t n, int64_t block, float* out, int threads);
+void unrotate_cpu(const float* y, int64_t n, int64_t block, uint64_t seed, int dtype, void* out,
+                  int threads);
 
 // Same contracts on a CUDA device; `stream` is a cudaStream_t, launches are asynchronous.
 // quantize_cuda cannot return the lossless count without synchronising; instead, given a
@@ -79,5 +85,9 @@ void pack_ints_cuda(const void* x, int dtype, int64_t n, int64_t group_size, con
 void unpack_ints_cuda(const uint8_t* data, int64_t data_bytes, const int64_t* mins,
                       const uint8_t* widths, const int64_t* starts, int64_t n,
                       int64_t group_size, int dtype, void* out, int device, void* stream);
+void rotate_cuda(const void* x, int dtype, int64_t n, int64_t block, float* out, int device,
+                 void* stream);
+void unrotate_cuda(const float* y, int64_t n, int64_t block, uint64_t seed, int dtype, void* out,
+                   int device, void* stream);
 
 }  // namespace gact

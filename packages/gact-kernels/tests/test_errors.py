@@ -80,6 +80,7 @@ def test_public_api() -> None:
         "MASK_DTYPES",
         "MAX_BOUNDARIES",
         "MAX_GROUP_SIZE",
+        "MAX_ROTATION_BLOCK",
         "PackedInts",
         "PackedMask",
         "PendingQuantize",
@@ -92,9 +93,11 @@ def test_public_api() -> None:
         "pack_mask",
         "quantize",
         "quantize_async",
+        "rotate",
         "rounding_steps",
         "unpack_ints",
         "unpack_mask",
+        "unrotate",
     ]
     assert all(hasattr(gact_kernels, name) for name in gact_kernels.__all__)
 

@@ -46,6 +46,7 @@ def test_unknown_option_lists_the_valid_ones() -> None:
         ("group_size", 256.0),
         ("compress_checkpoint_inputs", 1),
         ("channel_groups", "yes"),
+        ("rotated_groups", 1),
         ("adapt_budget", -0.1),
         ("adapt_budget", float("inf")),
         ("adapt_budget", "none"),

@@ -283,8 +283,8 @@ def test_tables_are_judged_per_key_not_per_save(monkeypatch):
             ctl.step()
             counts.append(len(judged))
     assert counts == [2, 2, 2, 4, 4]  # judged at steps 0 and 3
-    verdicts = ctl.hooks._table_verdicts
-    key = next(iter(verdicts))
+    verdicts = ctl.hooks._verdicts
+    key = next(k for k in verdicts if k[0] == "table")
     bits, step, verdict = verdicts[key]
     verdicts[key] = (bits + 1, step, verdict)  # as if the key's width had changed since
     with ctl:

@@ -1,7 +1,8 @@
 """gact-kernels: compression primitives for activation-compressed training (GACT).
 
 Per-group stochastic-rounding quantisation of float tensors to 1-8 bits, lossless 1-bit mask
-packing, lossless integer packing and uint8 bucket codes, on CPU (OpenMP) and CUDA. Every
+packing, lossless integer packing, uint8 bucket codes and blockwise Hadamard rotations, on CPU
+(OpenMP) and CUDA. Every
 compressed container is a :class:`Compressed`; :func:`decompress` restores any of them with its
 shape, strides, dtype and device. The compiled code links no torch; torch tensors are handed to it by address.
 
@@ -31,6 +32,7 @@ from .quantize import (
     quantize_async,
     rounding_steps,
 )
+from .rotation import MAX_ROTATION_BLOCK, rotate, unrotate
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -38,6 +40,7 @@ __all__ = [
     "MASK_DTYPES",
     "MAX_BOUNDARIES",
     "MAX_GROUP_SIZE",
+    "MAX_ROTATION_BLOCK",
     "CUDANotCompiledError",
     "Compressed",
     "PackedInts",
@@ -52,9 +55,11 @@ __all__ = [
     "pack_mask",
     "quantize",
     "quantize_async",
+    "rotate",
     "rounding_steps",
     "unpack_ints",
     "unpack_mask",
+    "unrotate",
 ]
 __version__ = "0.1.0"
 

@@ -28,7 +28,9 @@ __all__ = [
     "reference_dequantize",
     "reference_pack_ints",
     "reference_quantize",
+    "reference_rotate",
     "reference_unpack_ints",
+    "reference_unrotate",
     "round_stochastic",
 ]
 
@@ -60,8 +62,9 @@ def hash32(seed: int, index: torch.Tensor, *, stream: str = "quantize") -> torch
     Args:
         seed: the seed given to ``quantize``.
         index: element indices (memory order).
-        stream: ``"quantize"`` (rounding noise u = (h >> 8) * 2**-24) or ``"dequantize"``
-            (stochastic rounding of float16/bfloat16 outputs).
+        stream: ``"quantize"`` (rounding noise u = (h >> 8) * 2**-24), ``"dequantize"``
+            (stochastic rounding of float16/bfloat16 outputs) or ``"rotation"`` (the same, of
+            ``unrotate``'s outputs).
 
     Example:
         >>> import torch
@@ -70,10 +73,12 @@ def hash32(seed: int, index: torch.Tensor, *, stream: str = "quantize") -> torch
         True
     """
     key = _mix64((seed + _GAMMA) & _MASK64)
-    if stream == "dequantize":
+    if stream in ("dequantize", "rotation"):
         key = _mix64(key)
+        if stream == "rotation":
+            key = _mix64(key)
     elif stream != "quantize":
-        raise ValueError(f"stream must be 'quantize' or 'dequantize'; got {stream!r}")
+        raise ValueError(f"stream must be 'quantize', 'dequantize' or 'rotation'; got {stream!r}")
     k0, k1 = key & _MASK32, key >> 32
     high = ((index >> 32) * _HIGH_MUL + k1) & _MASK32
     h = (((((index & _MASK32) * _LOW_MUL) & _MASK32) ^ high) + k0) & _MASK32
@@ -314,3 +319,48 @@ def reference_unpack_ints(p: PackedInts) -> torch.Tensor:
     out = empty_with_layout(p.shape, p.stride, p.dtype, torch.device("cpu"))
     flat_view(out).copy_(value.to(p.dtype))
     return out.to(p.device)
+
+
+_SIGN_SEED = 0x6AC7
+
+
+def _rotation_negates(block: int, device: torch.device) -> torch.Tensor:
+    return (hash32(_SIGN_SEED, torch.arange(block, device=device)) >> 31).bool()
+
+
+def _butterflies(blocks: torch.Tensor) -> torch.Tensor:
+    """The spec's butterflies on each row of float32 ``blocks``, stage by stage (h = 1, 2, ...)."""
+    count, block = blocks.shape
+    y = blocks
+    h = 1
+    while h < block:
+        pairs = y.reshape(count, block // (2 * h), 2, h)
+        a, b = pairs[:, :, 0], pairs[:, :, 1]
+        y = torch.stack((a + b, a - b), dim=2).reshape(count, block)
+        h *= 2
+    return y
+
+
+def reference_rotate(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Same result as :func:`gact_kernels.rotate` on a contiguous ``x``, in plain torch."""
+    flat = x.reshape(-1).float()
+    whole = flat.numel() - flat.numel() % block
+    out = flat.clone()
+    head = flat[:whole].view(-1, block)
+    out[:whole] = _butterflies(torch.where(_rotation_negates(block, x.device), -head, head)).view(
+        -1
+    )
+    return out.view(x.shape)
+
+
+def reference_unrotate(y: torch.Tensor, block: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Same result as :func:`gact_kernels.unrotate` on a contiguous ``y``, in plain torch."""
+    flat = y.reshape(-1)
+    whole = flat.numel() - flat.numel() % block
+    out = flat.clone()
+    v = _butterflies(flat[:whole].view(-1, block)) * (1.0 / block)
+    out[:whole] = torch.where(_rotation_negates(block, y.device), -v, v).view(-1)
+    if dtype != torch.float32:
+        h = hash32(seed, torch.arange(flat.numel(), device=y.device), stream="rotation")
+        out = round_stochastic(out, h, dtype)
+    return out.view(y.shape)

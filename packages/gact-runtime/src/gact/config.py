@@ -106,6 +106,11 @@ class GactConfig:
             on the range of another. ``False`` groups every tensor in memory order, as the
             original GACT did (it diverged on a ResNet-18 at 32x32, whose last stage has 1x1
             maps: BENCHMARKS.md, "Stability").
+        rotated_groups: quantize a heavy-tailed tensor (one whose groups' ranges a few large
+            elements set, such as the SwiGLU product a LLaMA MLP's down projection reads) after
+            a randomized Hadamard rotation of each group, where that cuts the expected rounding
+            error at least in half (NOTE [Rotated groups] in rotation.py); costs a transform at
+            its pack and unpack, no bytes. ``False`` never rotates.
         compress_checkpoint_inputs: also compress the tensors ``torch.utils.checkpoint`` keeps
             for its regions (their inputs). ``False`` (the default) keeps them as they are, so
             the region's recomputation, and the gradient it gives, stay exact; ``True`` saves
@@ -134,6 +139,7 @@ class GactConfig:
     memory_budget: int | None = None
     derivative_tables: bool = True
     channel_groups: bool = True
+    rotated_groups: bool = True
     compress_checkpoint_inputs: bool = False
 
     def __post_init__(self) -> None:
@@ -174,7 +180,8 @@ class GactConfig:
             raise ConfigError(f"sensitivity_momentum must be a number in [0, 1), got {momentum!r}")
         _check_int("seed", self.seed, 0, 2**64 - 1)
         for flag in (
-            "measure_linear", "derivative_tables", "channel_groups", "compress_checkpoint_inputs"
+            "measure_linear", "derivative_tables", "channel_groups", "rotated_groups",
+            "compress_checkpoint_inputs",
         ):  # fmt: skip
             value = getattr(self, flag)
             if not isinstance(value, bool):

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from . import compiled, decisions, pointwise
+from . import compiled, decisions, pointwise, rotation
 from .compiled_sites import CompiledSite, kept_sites
 from .config import GactConfig
 from .decisions import DECISION_NODES, Decision, DecisionSpec
@@ -168,7 +168,8 @@ class SavedCompressed(Saved):
     pointwise.py)."""
 
     __slots__ = (
-        "decision", "expand_to", "hooks", "payload", "table", "ticket", "view_to", "witness",
+        "decision", "expand_to", "hooks", "payload", "rotated", "table", "ticket", "view_to",
+        "witness",
     )  # fmt: skip
 
     def __init__(
@@ -185,6 +186,7 @@ class SavedCompressed(Saved):
         self.hooks = hooks
         self.decision: Decision | None = None
         self.table: pointwise.DerivativeTable | None = None
+        self.rotated: rotation.Rotated | None = None  # NOTE [Rotated groups]
         swapper = hooks.swapper
         if swapper is not None and isinstance(payload, gact_kernels.PendingQuantize):
             payload = payload.result()  # a swapped-out payload is final
@@ -245,7 +247,8 @@ class SavedCompressed(Saved):
         return self.decision.extend(tensor, spec, skip=skip)
 
     def _describe(self) -> str:
-        dtype = self.witness.dtype if self.table is not None else self.held.dtype
+        table_or_rotated = self.table is not None or self.rotated is not None
+        dtype = self.witness.dtype if table_or_rotated else self.held.dtype
         return _describe(dtype, self.witness.device, self.held.shape)
 
     def unpacked_stride(self) -> tuple[int, ...] | None:
@@ -270,6 +273,8 @@ class SavedCompressed(Saved):
                     "GactConfig(derivative_tables=False) avoids it"
                 )
             return self.table.values(values, self.witness.dtype)
+        if self.rotated is not None:
+            values = self.rotated.restore(values)
         if self.expand_to is not None:
             return values.expand(self.expand_to)  # never a decision input (see _treatment)
         if self.view_to is not None:
@@ -494,8 +499,10 @@ class SaveHooks:
         self.compiled_sites: dict[str, CompiledSite] = {}  # key -> last traced site
         self._graphs_counted: set[tuple[int, int]] = set()  # (graph, forward) in the ledger
         self._warned_missed: set[str] = set()
-        # key -> (bits, plan step, verdict) of the last table judgment (NOTE in pointwise.py)
-        self._table_verdicts: dict[str, tuple[int, int, bool]] = {}
+        # (what, key) -> (bits, plan step, verdict) of the last judgment whether a derivative
+        # table ("table", NOTE [Derivative tables]) or a rotation ("rotation", NOTE [Rotated
+        # groups]) beats plain rounding for the key's saves
+        self._verdicts: dict[tuple[str, str], tuple[int, int, bool]] = {}
 
     def owner(self) -> SaveHooks | None:
         """The hooks whose model's forward is running on this thread (NOTE [Owners])."""
@@ -631,8 +638,8 @@ class SaveHooks:
     # attribute reads, one kernel call per payload, one ledger update. What costs more and
     # depends only on a key is decided once per key and cached: its width (``BitPlan``), the
     # hash of its name (``BitPlan.key_hash``), whether it is two-valued (NOTE [Two-valued
-    # tensors] in adapt.py), and whether a derivative table beats rounding (``_table_verdicts``,
-    # NOTE [Derivative tables] in pointwise.py). The kernels' containers are built without
+    # tensors] in adapt.py), and whether a derivative table or a rotation beats rounding
+    # (``_verdicts``, NOTE [Derivative tables] in pointwise.py, NOTE [Rotated groups]). The kernels' containers are built without
     # re-validation (NOTE [container invariants] in gact_kernels/_compressed.py).
     # packages/gact-runtime/benchmarks/bench_saves.py measures what a save costs.
     def pack_own(self, tensor: torch.Tensor, *, inside: bool, region_input: bool = False) -> Saved:
@@ -783,6 +790,7 @@ class SaveHooks:
         floor = preferred = 0  # the saving call's smallest width for it, and its preferred one
         view_to: torch.Size | None = None
         table: pointwise.DerivativeTable | None = None
+        rotated: rotation.Rotated | None = None
         # a GELU/SiLU input: the allocation counts a table's group header for it (see Items.of)
         candidate = spec is not None and spec.derivative_id == id(tensor)
         data = (tensor if compact is None else compact).detach()  # no autograd history below
@@ -822,9 +830,16 @@ class SaveHooks:
                 seed = self.plan.seed_for(key, self.ledger.occurrences(key))
                 rows = _row_length(spec, tensor, data, plan.config)
                 channels = plan.config.channel_groups and data.dim() >= 4
+                source = data if rows is None else data.view(-1, rows)
+                if (
+                    rows is None
+                    and not channels
+                    and not zero_exact
+                    and self._rotates(key, data, bits)
+                ):
+                    source, rotated = rotation.rotate(data, rotation.block_size(group_size), seed)
                 pending = gact_kernels.quantize_async(
-                    data if rows is None else data.view(-1, rows), bits, group_size=group_size,
-                    seed=seed, zero_exact=zero_exact,
+                    source, bits, group_size=group_size, seed=seed, zero_exact=zero_exact,
                     channel_dim=0 if rows is not None else 1 if channels else None,
                 )  # fmt: skip
                 payload = pending if not pending.done() else pending.result()
@@ -836,6 +851,7 @@ class SaveHooks:
             saved.expand_to = tensor.shape
         saved.view_to = view_to
         saved.table = table  # a table is never shared (see pack_own)
+        saved.rotated = rotated
         held = saved.known  # lossless groups of a pending one reach the ledger when resolved
         nbytes = held.nbytes
         quantized = isinstance(held, gact_kernels.QuantizedTensor)
@@ -868,14 +884,35 @@ class SaveHooks:
         ):
             return None
         table = pointwise.derivative_table(spec.derivative, bits)
+        group_size = self.plan.config.group_size
+        better = self._judged(
+            "table",
+            key,
+            bits,
+            lambda: pointwise.table_is_better(tensor, table, group_size=group_size),
+        )
+        return table if better else None
+
+    def _rotates(self, key: str, data: torch.Tensor, bits: int) -> bool:
+        """Whether ``data`` is quantized rotated (NOTE [Rotated groups] in rotation.py)."""
+        config = self.plan.config
+        if not config.rotated_groups or not data.is_contiguous():
+            return False
+        if data.numel() < config.group_size:
+            return False
+        return self._judged(
+            "rotation", key, bits,
+            lambda: rotation.rotation_is_better(data, bits, group_size=config.group_size),
+        )  # fmt: skip
+
+    def _judged(self, what: str, key: str, bits: int, judge: Callable[[], bool]) -> bool:
+        """``judge()``'s verdict for ``key``'s saves, judged again when their width changes and
+        every ``pointwise.REJUDGE_STEPS`` steps, not per save (NOTE [Derivative tables])."""
         step = self.plan.step
-        verdict = self._table_verdicts.get(key)
+        verdict = self._verdicts.get((what, key))
         if verdict is None or verdict[0] != bits or step - verdict[1] >= pointwise.REJUDGE_STEPS:
-            better = pointwise.table_is_better(
-                tensor, table, group_size=self.plan.config.group_size
-            )
-            verdict = self._table_verdicts[key] = (bits, step, better)
-        return table if verdict[2] else None
+            verdict = self._verdicts[(what, key)] = (bits, step, judge())
+        return verdict[2]
 
     def _decide(self, saved: SavedCompressed, tensor: torch.Tensor, spec: DecisionSpec) -> None:
         added = saved.decide(tensor, spec)
