@@ -564,3 +564,20 @@ def test_checkpoint_blocks_wraps_the_named_modules(script):
     assert isinstance(model[0], compare.Checkpointed)
     assert isinstance(model[1][0], compare.Checkpointed)
     assert torch.equal(torch.autograd.grad(model(x).sum(), x)[0], expected)
+
+
+def test_rotation_bench_script(data_root, tmp_path, script):
+    """rotation_bench.py: the saves an L1 step rotates are the down projections' inputs, and
+    only their layers' gradient errors differ between rotated and plain groups (same seeds)."""
+    pytest.importorskip("transformers")  # examples[transformers], in tests(examples)
+    out = tmp_path / "r.json"
+    argv = ["--data", str(data_root), "--warmup", "2", "--draws", "1", "--rounds", "1"]
+    argv += ["--steps", "1", "--batch-size", "4", "--json", str(out)]
+    result = script("rotation_bench.py").main(argv)
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert result["rotated_saves"] and all(s[-1] == 176 for s in result["rotated_saves"])
+    for row in result["errors"]:
+        assert row["plain"] > 0 and row["rotated"] > 0
+        if "down_proj" not in row["layer"]:
+            assert row["rotated"] == row["plain"]
+    assert set(result["step"]) == {"fp32", "L1 plain", "L1 rotated"}
