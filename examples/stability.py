@@ -133,7 +133,10 @@ def train(task: Task, level: str, seed: int, lr: float, args: argparse.Namespace
     model.train()
     optimizer = task.optimizer(model, lr)
     batches = task.batches(torch.Generator().manual_seed(seed))
-    config = GactConfig.from_level(level, seed=seed, channel_groups=args.layout == "channel")
+    config = GactConfig.from_level(
+        level, seed=seed, channel_groups=args.layout == "channel",
+        rotated_groups=args.rotation == "on",
+    )  # fmt: skip
     if hasattr(args, "adapt_budget"):  # given: a fraction, or None for no time budget
         config = config.replace(adapt_budget=args.adapt_budget)
     controller = Controller(model, config)
@@ -183,6 +186,7 @@ def train(task: Task, level: str, seed: int, lr: float, args: argparse.Namespace
         "seed": seed,
         "lr": lr,
         "layout": args.layout,
+        "rotation": args.rotation,
         "steps": args.steps,
         "first_nan_step": first_nan,
         "final_loss": statistics.fmean(tail) if first_nan is None else math.nan,
@@ -229,6 +233,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument(
         "--layout", choices=("channel", "memory"), default="channel",
         help="GactConfig.channel_groups on (channel) or off (memory order, the original's)",
+    )  # fmt: skip
+    p.add_argument(
+        "--rotation", choices=("on", "off"), default="on",
+        help="GactConfig.rotated_groups (NOTE [Rotated groups] in gact/rotation.py)",
     )  # fmt: skip
     p.add_argument(
         "--variance-steps", default="",

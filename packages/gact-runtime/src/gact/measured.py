@@ -11,7 +11,7 @@ import gact_kernels
 import gact_policy
 import torch
 
-from . import decisions
+from . import decisions, rotation
 from .decisions import DecisionSpec, LinearUse
 
 if TYPE_CHECKING:
@@ -36,7 +36,8 @@ __all__ = ["SensitivityMeter"]
 # same unit the probes measure (their sketch keeps squared norms), with no extra forward or
 # backward. The per-element variance is not modelled but read off the stored rounding: with
 # ``d = |x̂ - x|`` and the element's grid step ``s`` (``gact_kernels.rounding_steps``, in any
-# group layout: channel and row groups, lossless groups at 0, the zero-exact grid), it is
+# group layout: channel and row groups, lossless groups at 0, the zero-exact grid; a rotated
+# save's in its rotated form, then spread over its block: NOTE [Rotated groups]), it is
 # exactly ``d (s - d) = t (1 - t) s²`` whichever way the element was rounded, so the
 # measurement carries no rounding noise of its own (a single ``d²`` would: 20% off on a tensor
 # of 384 elements). It is taken once at the save, from the dequantized payload, and summed
@@ -96,7 +97,7 @@ class SensitivityMeter:
         """``tensor`` was saved as ``saved`` (quantized, or a deduplicated save of it) during a
         call with ``spec``: measure it if the call reads it linearly."""
         whole = saved.table is None and saved.expand_to is None and saved.ticket is None
-        self._observe(saved.key, tensor, spec, lambda: saved.held if whole else None)
+        self._observe(saved.key, tensor, spec, lambda: saved.held if whole else None, saved.rotated)
 
     def kept(
         self,
@@ -115,12 +116,13 @@ class SensitivityMeter:
         tensor: torch.Tensor,
         spec: DecisionSpec | None,
         payload: Callable[[], gact_kernels.Compressed | None],
+        rotated: rotation.Rotated | None = None,
     ) -> None:
         start = time.perf_counter()
         self.seen.add(key)
         use = None if spec is None else spec.linear
         if use is not None and use.reads(tensor):
-            measurement = _Measurement.of(self, key, payload(), tensor, use)
+            measurement = _Measurement.of(self, key, payload(), tensor, use, rotated)
             if measurement is None:
                 self.probed.add(key)
             else:
@@ -178,16 +180,21 @@ class _Measurement:
         payload: gact_kernels.Compressed | None,
         tensor: torch.Tensor,
         use: LinearUse,
+        rotated: rotation.Rotated | None = None,
     ) -> _Measurement | None:
         """The measurement of ``tensor`` stored as ``payload`` (``None`` or not a quantized
-        container holding its values as they are: not measurable)."""
+        container holding its values as they are, or in their ``rotated`` form: not
+        measurable)."""
         if not isinstance(payload, gact_kernels.QuantizedTensor):
             return None
         with torch.no_grad():  # the exact variance d (s - d): gact_kernels.rounding_steps
             values = gact_kernels.decompress(payload).view(tensor.shape)
             steps = gact_kernels.rounding_steps(payload).view(tensor.shape)
-            d = values.float().sub_(tensor.detach().float()).abs_().nan_to_num_(0.0)
+            held = tensor.detach() if rotated is None else rotated.held_form(tensor.detach())
+            d = values.float().sub_(held.float()).abs_().nan_to_num_(0.0)
             error = steps.sub_(d).mul_(d).clamp_(min=0.0)
+            if rotated is not None:  # NOTE [Rotated groups]
+                error = rotated.spread(error)
             if use.conv is None:
                 mass = error.reshape(-1, tensor.shape[-1]).sum(1)
             else:

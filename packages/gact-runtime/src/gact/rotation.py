@@ -46,6 +46,15 @@ _ROUND_SALT = 0x5EED_0F_0A_7C0DE  # the restoring rounding's stream, apart from 
 #   each pack and unpack, so only a clear gain counts: rotated error below WORTH times the
 #   plain one. On the decoder the down projections' inputs rotate (0.16-0.19x), no other linear
 #   input does (1.2-2.0x: the rotation turns a row-normalised group's light tails Gaussian);
+# - a measured sensitivity (NOTE [Measured sensitivities] in measured.py) reads the rounding
+#   variance d (s - d) of each element of the rotated form, against the tensor rotated again,
+#   and spreads each block's sum over the block, 1 / B**2 each (H's entries are +-1): the
+#   restored errors are then uncorrelated but for the unequal variances within a block. Read
+#   against the unrotated tensor, it was thousands of times too large, and L2.2 on the decoder
+#   gave the down projections' inputs the bits the rest needed (a final loss of 2.60 against
+#   2.31 unrotated, seed 1). A key an allocation keeps at full precision is measured through a
+#   plain 8-bit trial: for a tensor that would rotate, its sensitivity is overestimated (up to
+#   5x), which costs bytes, not accuracy;
 # - groups that never span two rows or channels (NOTE [Attention and row normalisations],
 #   NOTE [channel groups]), the zero-exact grid, derivative tables and non-contiguous tensors
 #   are never rotated: each has its own layout or grid that a rotation would undo.
@@ -80,6 +89,28 @@ class Rotated:
             lambda: values.to(self.dtype),
         )
         return back.view(self.shape)
+
+    def held_form(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (the one saved) in the form its payload holds, float32: rotated, or as it
+        is where it was not finite."""
+        return _select(
+            self.finite, lambda: gact_kernels.rotate(tensor, self.block), lambda: tensor.float()
+        )
+
+    def spread(self, variance: torch.Tensor) -> torch.Tensor:
+        """Per element of the tensor, the variance of its restored value, from the independent
+        per-element rounding ``variance`` of its held form: the restoration ``s * H y / B``
+        gives each element of a block ``1 / B**2`` of the block's summed variance (``H``'s
+        entries are +-1); the tail, and a tensor held unrotated, keep theirs."""
+
+        def spread_blocks() -> torch.Tensor:
+            flat = variance.reshape(-1).clone()
+            whole = flat.numel() - flat.numel() % self.block
+            head = flat[:whole].view(-1, self.block)
+            flat[:whole] = (head.sum(1, keepdim=True) / self.block**2).expand_as(head).reshape(-1)
+            return flat.view(variance.shape)
+
+        return _select(self.finite, spread_blocks, lambda: variance)
 
 
 def rotate(data: torch.Tensor, block: int, seed: int) -> tuple[torch.Tensor, Rotated]:
