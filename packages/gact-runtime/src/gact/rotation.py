@@ -45,7 +45,7 @@ _ROUND_SALT = 0x5EED_0F_0A_7C0DE  # the restoring rounding's stream, apart from 
 #   derivative table's (NOTE [Derivative tables] in pointwise.py). Rotating costs a transform at
 #   each pack and unpack, so only a clear gain counts: rotated error below WORTH times the
 #   plain one. On the decoder the down projections' inputs rotate (0.16-0.19x), no other linear
-#   input does (1.2-2.0x: the rotation turns a row-normalised group's light tails Gaussian);
+#   input does (rotated, their error would be 1.2-2.1x the plain one's);
 # - a measured sensitivity (NOTE [Measured sensitivities] in measured.py) reads the rounding
 #   variance d (s - d) of each element of the rotated form, against the tensor rotated again,
 #   and spreads each block's sum over the block, 1 / B**2 each (H's entries are +-1): the
