@@ -17,15 +17,6 @@ static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "gact-kernels assumes l
 namespace gact {
 namespace {
 
-// Hot loops get AVX-512 and AVX2 clones picked at load time (ifunc); the default clone is
-// baseline x86-64, so a wheel built here runs on any x86-64 CPU. All clones do the same IEEE
-// operations (-ffp-contract=off forbids FMA contraction).
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define GACT_SIMD __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
-#else
-#define GACT_SIMD
-#endif
-
 template <int DT>
 GACT_SIMD void to_floats(const typename Elem<DT>::type* __restrict x, int64_t m,
                          float* __restrict buf) {

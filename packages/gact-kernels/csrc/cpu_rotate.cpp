@@ -10,12 +10,6 @@
 namespace gact {
 namespace {
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define GACT_SIMD __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
-#else
-#define GACT_SIMD
-#endif
-
 // The butterflies of one block. Any order of the pairs within a stage gives the same bits
 // (each pair's two operations read only that pair): the stages h = 1, 2, 4 run on each run of
 // 8 elements straight-line, the later ones over contiguous halves, which vectorise.

@@ -1,9 +1,19 @@
-// Thread-team sizing shared by the CPU kernels (cpu.cpp, cpu_ints.cpp).
+// Shared by the CPU kernels (cpu.cpp, cpu_ints.cpp, cpu_rotate.cpp): thread-team sizing and
+// the SIMD clones of hot loops.
 #pragma once
 
 #include <omp.h>
 
 #include <cstdint>
+
+// Hot loops get AVX-512 and AVX2 clones picked at load time (ifunc); the default clone is
+// baseline x86-64, so a wheel built here runs on any x86-64 CPU. All clones do the same IEEE
+// operations (-ffp-contract=off forbids FMA contraction).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define GACT_SIMD __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#else
+#define GACT_SIMD
+#endif
 
 namespace gact {
 
