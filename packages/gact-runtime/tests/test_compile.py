@@ -802,3 +802,35 @@ def test_compiled_recomputation_never_decides_on_rounded_values() -> None:
     stderr = stack.std(0) / math.sqrt(len(samples))
     assert bool(((stack.mean(0) - exact).abs() <= 5 * stderr + 1e-9).all())
     assert "recomputed" in controller.report()  # the block inputs are kept, and say why
+
+
+class _GatedMLP(nn.Module):
+    """A LLaMA MLP: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(32, 96), nn.Linear(32, 96), nn.Linear(96, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_compiled_gated_mlp_compresses_its_gate(backend: str) -> None:
+    """The compiled backward recomputes ``silu(gate)`` from the saved gate for the up
+    projection's gradient: a smooth use, compressed as eager code compresses SiLU's input
+    (it was kept as an unknown use, and warned)."""
+    torch.manual_seed(0)
+    model = _GatedMLP()
+    x = torch.randn(8, 16, 32)
+    controller = Controller(model, GactConfig.from_level("L1", min_numel=0))
+    with controller, warnings.catch_warnings():
+        warnings.simplefilter("error", GactWarning)
+        torch.compile(model, backend=backend)(x).square().sum().backward()
+        controller.step()
+    records = controller.ledger.last
+    gate = [k for k in records if k.startswith("gate@")]
+    assert gate and all(records[k].kind is Kind.QUANTIZED for k in gate), {
+        k: records[k].kind for k in records
+    }
+    torch._dynamo.reset()

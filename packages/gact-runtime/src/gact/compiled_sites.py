@@ -33,8 +33,9 @@ __all__ = ["VIEWS", "CompiledSite", "SaveReluOutputs", "add_kept", "kept_sites",
 # ``CompiledSite.of`` follows the saved node through views and through what the backward
 # recomputes from it (nodes no tangent feeds) to the aten ops that read it.
 # - Linear and smooth uses (matmuls, convolution and norm backwards, products, sums, exp, erf,
-#   GELU/SiLU/tanh/sigmoid backwards, softmax backwards, ops reading only the shape) are
-#   compressed, as eager code compresses the saves of these functions.
+#   GELU/SiLU/tanh/sigmoid backwards, GELU and SiLU recomputed (a gated MLP's ``silu(gate)``,
+#   which aot_eager's backward recomputes from the gate), softmax backwards, ops reading only
+#   the shape) are compressed, as eager code compresses the saves of these functions.
 # - A comparison with a constant made on the saved tensor itself (``relu``,
 #   ``threshold_backward``, ``gt``/``ge``/``lt``/``le``, the sign read by ``abs``/``sgn``) becomes
 #   an exact predicate, its 1-bit mask projecting the unpacked values (NOTE [Exact decisions] in
@@ -95,7 +96,7 @@ _TOLERANT = {
     "aten.mm", "aten.bmm", "aten.addmm", "aten.baddbmm", "aten.matmul", "aten.convolution_backward",
     "aten.convolution", "aten.mul", "aten.add", "aten.sub", "aten.rsub", "aten.neg", "aten.sum",
     "aten.mean", "aten.where", "aten.exp", "aten.erf", "aten.tanh", "aten.sigmoid", "aten.pow",
-    "aten.gelu_backward", "aten.silu_backward", "aten.sigmoid_backward", "aten.tanh_backward",
+    "aten.gelu", "aten.silu", "aten.gelu_backward", "aten.silu_backward", "aten.sigmoid_backward", "aten.tanh_backward",
     "aten._softmax_backward_data", "aten._log_softmax_backward_data",
     "aten.native_batch_norm_backward", "aten.empty_like", "aten.zeros_like", "aten.ones_like",
     "aten.full_like", "aten.sym_size", "aten.sym_stride", "aten.sym_numel", "aten.addcmul",
