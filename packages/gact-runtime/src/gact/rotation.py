@@ -41,7 +41,7 @@ _ROUND_SALT = 0x5EED_0F_0A_7C0DE  # the restoring rounding's stream, apart from 
 #   anyway);
 # - which tensors rotate is judged per save-site key from up to 64 groups, by the expected
 #   squared error of stochastic rounding in both forms (it predicts the weight gradient's
-#   rounding variance within 15% on the decoder's linear inputs), at the same times as a
+#   rounding variance within 16% on the decoder's linear inputs), at the same times as a
 #   derivative table's (NOTE [Derivative tables] in pointwise.py). Rotating costs a transform at
 #   each pack and unpack, so only a clear gain counts: rotated error below WORTH times the
 #   plain one. On the decoder the down projections' inputs rotate (0.16-0.19x), no other linear
