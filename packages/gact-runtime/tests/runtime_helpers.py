@@ -10,6 +10,8 @@ import gact_kernels
 import pytest
 import torch
 import torch.nn.functional as F
+from gact import Controller, GactConfig
+from gact.measured import SensitivityMeter
 from torch import nn
 
 requires_cuda = pytest.mark.skipif(
@@ -91,3 +93,19 @@ def deferred_quantize(real: Callable[..., Any], lossless: list[int] | None = Non
         return gact_kernels.PendingQuantize(provisional, block, ManualEvent())
 
     return quantize_async
+
+
+def measured_step(
+    model: nn.Module, config: GactConfig, backward: Callable[[], Any]
+) -> tuple[Controller, SensitivityMeter]:
+    """One step of ``model`` under a ``Controller(model, config)`` whose hooks carry a running
+    ``SensitivityMeter`` (NOTE [Measured sensitivities]): ``backward()`` runs the forward and
+    backward; returns the controller and the stopped meter."""
+    meter = SensitivityMeter()
+    with Controller(model, config) as controller:
+        controller.hooks.meter = meter
+        meter.start()
+        model.zero_grad()
+        backward()
+        meter.stop()
+    return controller, meter

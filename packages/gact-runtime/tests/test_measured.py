@@ -15,7 +15,7 @@ from gact import Controller, GactConfig, GactWarning
 from gact.decisions import DecisionMode, current_spec
 from gact.measured import SensitivityMeter
 from models import make_case
-from runtime_helpers import make_closure
+from runtime_helpers import make_closure, measured_step
 from torch import nn
 
 
@@ -84,13 +84,7 @@ def test_measured_sensitivities_predict_the_rounding_variance_of_each_weight_gra
     weights = {name: p for name, p in model.named_parameters() if not name.endswith("bias")}
     exact = _grads(model, x, y, None)
     cfg = GactConfig.from_level("L1", min_numel=0)
-    meter = SensitivityMeter()
-    with Controller(model, cfg) as controller:
-        controller.hooks.meter = meter
-        meter.start()
-        model.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        meter.stop()
+    controller, meter = measured_step(model, cfg, lambda: F.cross_entropy(model(x), y).backward())
     # the stored widths: 4 bits, 6 for the 8x8 maps of 1,024 elements per channel (NOTE [Small
     # maps] in decisions.py)
     widths = {key: r.bits for key, r in controller.ledger.view()[0].items()}

@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 import torch
 from gact import Controller, GactConfig, rotation
-from gact.measured import SensitivityMeter
 from gact.saved import SavedCompressed
-from runtime_helpers import record_saves, requires_cuda
+from runtime_helpers import measured_step, record_saves, requires_cuda
 from torch import nn
 from torch.nn import functional as F
 
@@ -176,13 +175,7 @@ def test_a_rotated_save_is_measured_in_its_rotated_form() -> None:
     model(x).backward(grad_out)
     exact = model.down.weight.grad.clone()
     config = GactConfig.from_level("L1", min_numel=0)
-    meter = SensitivityMeter()
-    with Controller(model, config) as controller:
-        controller.hooks.meter = meter
-        meter.start()
-        model.zero_grad()
-        model(x).backward(grad_out)
-        meter.stop()
+    controller, meter = measured_step(model, config, lambda: model(x).backward(grad_out))
     widths = {key: r.bits for key, r in controller.ledger.view()[0].items()}
     (key,) = [k for k in meter.sensitivities() if k.startswith("down#")]
     predicted = meter.sensitivities()[key] * gact_policy.variance_factor(widths[key])
