@@ -89,7 +89,7 @@ def test_a_rotated_round_trip_is_unbiased(dtype: torch.dtype, device: str) -> No
     x = (x * x.abs()).to(device, dtype)  # heavy tails; 5,000 elements: a tail shorter than a block
     rows = []
     for seed in range(256):
-        source, restore = rotation.rotate(x, 256, seed)
+        source, restore = rotation.rotate(x, group_size=256, seed=seed)
         payload = gact_kernels.quantize(source, 2, group_size=256, seed=seed)
         back = restore.restore(gact_kernels.dequantize(payload))
         assert back.dtype == dtype and back.shape == x.shape
@@ -106,7 +106,7 @@ def test_a_rotated_round_trip_is_unbiased(dtype: torch.dtype, device: str) -> No
 
 def test_the_rotation_restores_exactly_without_rounding() -> None:
     x = torch.randn(3 * 256 + 40) * 100
-    source, restore = rotation.rotate(x, 256, 0)
+    source, restore = rotation.rotate(x, group_size=256, seed=0)
     assert not torch.equal(source[:256], x[:256])  # rotated
     assert torch.equal(source[768:], x[768:])  # the tail shorter than a block is not
     assert torch.allclose(restore.restore(source), x, rtol=0, atol=1e-4)
@@ -120,7 +120,7 @@ def test_a_non_finite_tensor_is_quantized_unrotated(device: str) -> None:
     x = torch.randn(1024) * torch.randn(1024).exp() ** 2
     x[300] = torch.inf
     x = x.to(device)
-    source, restore = rotation.rotate(x, 256, 0)
+    source, restore = rotation.rotate(x, group_size=256, seed=0)
     assert torch.equal(source, x)
     payload = gact_kernels.quantize(source, 4, group_size=256, seed=0)
     back = restore.restore(gact_kernels.dequantize(payload))

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import gact_kernels
 import torch
 
-__all__ = ["WORTH", "Rotated", "block_size", "rotate", "rotation_is_better"]
+__all__ = ["WORTH", "Rotated", "rotate", "rotation_is_better"]
 
 _ROUND_SALT = 0x5EED_0F_0A_7C0DE  # the restoring rounding's stream, apart from the codes'
 
@@ -61,7 +61,7 @@ _ROUND_SALT = 0x5EED_0F_0A_7C0DE  # the restoring rounding's stream, apart from 
 WORTH = 0.5
 
 
-def block_size(group_size: int) -> int:
+def _block_size(group_size: int) -> int:
     """The rotation's block: the largest power of two dividing ``group_size``, at most 256
     (``gact_kernels.rotate``'s blocks must not straddle two groups)."""
     return min(group_size & -group_size, 256)
@@ -113,9 +113,11 @@ class Rotated:
         return _select(self.finite, spread_blocks, lambda: variance)
 
 
-def rotate(data: torch.Tensor, block: int, seed: int) -> tuple[torch.Tensor, Rotated]:
-    """The float32 rotated form of contiguous ``data`` to quantize (``data`` itself, in float32,
-    if it holds a non-finite element or its rotation overflows) and how to restore it."""
+def rotate(data: torch.Tensor, *, group_size: int, seed: int) -> tuple[torch.Tensor, Rotated]:
+    """The float32 rotated form of contiguous ``data`` to quantize in groups of ``group_size``
+    (``data`` itself, in float32, if it holds a non-finite element or its rotation overflows)
+    and how to restore it."""
+    block = _block_size(group_size)
     rotated = gact_kernels.rotate(data, block)
     finite = torch.isfinite(rotated.sum())  # a non-finite element spoils its block's sums
     source = _select(finite, lambda: rotated, lambda: data.float())
@@ -160,7 +162,7 @@ def rotation_is_better(
     sample = flat[idx].float()
     if not bool(torch.isfinite(sample).all()):
         return False
-    block = block_size(group_size)
+    block = _block_size(group_size)
     spun = gact_kernels.rotate(sample, block).double()
     # the restoration divides by the block: squared errors shrink by it
     rotated = _expected_error(spun, bits) / block

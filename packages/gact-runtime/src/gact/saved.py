@@ -639,8 +639,9 @@ class SaveHooks:
     # depends only on a key is decided once per key and cached: its width (``BitPlan``), the
     # hash of its name (``BitPlan.key_hash``), whether it is two-valued (NOTE [Two-valued
     # tensors] in adapt.py), and whether a derivative table or a rotation beats rounding
-    # (``_verdicts``, NOTE [Derivative tables] in pointwise.py, NOTE [Rotated groups]). The kernels' containers are built without
-    # re-validation (NOTE [container invariants] in gact_kernels/_compressed.py).
+    # (``_verdicts``, NOTE [Derivative tables] in pointwise.py, NOTE [Rotated groups] in
+    # rotation.py). The kernels' containers are built without re-validation (NOTE [container
+    # invariants] in gact_kernels/_compressed.py).
     # packages/gact-runtime/benchmarks/bench_saves.py measures what a save costs.
     def pack_own(self, tensor: torch.Tensor, *, inside: bool, region_input: bool = False) -> Saved:
         """Pack a save made in this controller's model (or, ``inside=False``, outside every
@@ -837,7 +838,7 @@ class SaveHooks:
                     and not zero_exact
                     and self._rotates(key, data, bits)
                 ):
-                    source, rotated = rotation.rotate(data, rotation.block_size(group_size), seed)
+                    source, rotated = rotation.rotate(data, group_size=group_size, seed=seed)
                 pending = gact_kernels.quantize_async(
                     source, bits, group_size=group_size, seed=seed, zero_exact=zero_exact,
                     channel_dim=0 if rows is not None else 1 if channels else None,
