@@ -13,7 +13,7 @@ from gact import Controller, GactConfig
 from gact.ledger import Kind
 from gact.saved import SavedCompressed, SavedKept
 from models import CASES, make_case, ring_adjacency
-from runtime_helpers import make_closure
+from runtime_helpers import make_closure, measured_step
 from torch import nn
 
 
@@ -144,6 +144,54 @@ def test_a_tensor_saved_by_several_ops_is_stored_once(monkeypatch: pytest.Monkey
     outs = [out for _, out in spy.seen if isinstance(out, SavedCompressed)]
     assert len(outs) > len({id(o) for o in outs})
     assert controller.stats()["deduplicated_saves"] >= 2
+
+
+class _Projections(nn.Module):
+    """Queries, keys and values of one 3-D input, as every transformer computes them: each
+    linear layer saves its own 2-D view of that input (``input.view(-1, d)``)."""
+
+    def __init__(self, heads: int) -> None:
+        super().__init__()
+        self.proj = nn.ModuleList(nn.Linear(64, 64) for _ in range(heads))
+        for lin in self.proj[1:]:
+            lin.load_state_dict(self.proj[0].state_dict())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * 1.5  # an activation: not a leaf, so every save of it is GACT's
+        return sum((lin(h).sum() for lin in self.proj), torch.zeros(()))
+
+
+def test_views_of_one_input_saved_by_several_linear_layers_are_stored_once() -> None:
+    """NOTE [Aliased saves]: three projections of one input store it once, as PyTorch does,
+    and read the same rounding: with equal weights and output gradients, equal gradients."""
+    x = torch.randn(8, 16, 64)
+    stored = {}
+    for heads in (1, 3):
+        model = _Projections(heads)
+        with Controller(model, GactConfig.from_level("L1", min_numel=0)) as controller:
+            model(x).backward()
+            controller.step()
+        stored[heads] = controller.stats()["stored_bytes"]
+        if heads == 3:
+            assert controller.stats()["deduplicated_saves"] == 2
+            grads = [lin.weight.grad for lin in model.proj]
+            assert torch.equal(grads[0], grads[1]) and torch.equal(grads[0], grads[2])
+            exact = torch.ones(8 * 16, 64).T @ (1.5 * x).reshape(-1, 64)
+            assert not torch.equal(grads[0], exact)  # rounded, not kept
+    assert stored[3] == stored[1]
+
+
+def test_aliased_saves_are_measured_once_per_reader() -> None:
+    """A save shared by two linear layers adds both weight gradients' errors to its key's
+    measured sensitivity (NOTE [Measured sensitivities])."""
+    x = torch.randn(8, 16, 64)
+    measured = {}
+    for heads in (1, 2):
+        model = _Projections(heads)
+        config = GactConfig.from_level("L1", min_numel=0, seed=3)
+        _, meter = measured_step(model, config, lambda m=model: m(x).backward())
+        (measured[heads],) = meter.sensitivities().values()
+    assert measured[2] == pytest.approx(2 * measured[1], rel=1e-5)
 
 
 def test_small_and_integer_tensors_are_kept() -> None:

@@ -348,10 +348,25 @@ class _LiveTable:
 # entry lives and tells when it died; the version counter, shared by every alias, tells an
 # in-place change.
 
+# NOTE [Aliased saves]
+# Eager code saves aliases too: a linear layer on a 3-D input saves its own 2-D view of it
+# (``input.view(-1, d)`` inside ``matmul``), so the queries, keys and values of a transformer
+# (and a gated MLP's gate and up projections) save three (two) distinct view objects of one
+# storage. PyTorch holds that storage once; keyed by object, GACT stored and rounded it three
+# times (14-15% of the saved bytes of the model matrix's LLaMA-style decoder and ViT). So
+# every eager save that is a view (``_is_view()``, 0.1 us) is also mapped by storage, offset,
+# shape, strides and dtype, and a view that misses the object table is looked up there.
+# Eager code never writes into a live storage behind its version counter, which every view
+# shares with its base, and the weak reference to the storage tells when it died (its address
+# may then be reused). The readers of one stored rounding are different calls, so each adds
+# its own error to its own parameters' gradients, each unbiased; a key's measured sensitivity
+# sums its readers' terms (NOTE [Measured sensitivities] in measured.py).
+
 
 class _LiveStorages:
     """Weak map from live storages (same storage, offset, shape, strides, dtype, version and
-    forward) to what ``pack`` returned for a tensor on them (NOTE [Boundary saves])."""
+    forward) to what ``pack`` returned for a tensor on them (NOTE [Boundary saves], NOTE
+    [Aliased saves])."""
 
     def __init__(self) -> None:
         self._entries: dict[tuple, tuple[StorageWeakRef, int, weakref.ref, int]] = {}
@@ -484,7 +499,7 @@ class SaveHooks:
         self.ledger = ledger
         self.swapper = swapper
         self.live = _LiveTable()
-        self.boundaries = _LiveStorages()  # NOTE [Boundary saves]
+        self.boundaries = _LiveStorages()  # NOTE [Boundary saves], NOTE [Aliased saves]
         self.pending: collections.deque[SavedCompressed] = collections.deque()  # NOTE below
         self.unpacked = 0  # unpack calls so far: tells whether a closure ran a backward
         self.probing = False  # a ProbeSession is running its probes
@@ -686,7 +701,9 @@ class SaveHooks:
             saved = self._compress(key, tensor, compact, spec)
         if not (isinstance(saved, SavedCompressed) and saved.table is not None):
             self.live.add(tensor, saved, self.tracker.generation)
-            if self.compiled_sites:  # a compiled graph may save it again: NOTE [Boundary saves]
+            # a compiled graph may save it again (NOTE [Boundary saves]), another call another
+            # view of its storage (NOTE [Aliased saves])
+            if self.compiled_sites or tensor._is_view():
                 self.boundaries.add(tensor, saved, self.tracker.generation)
         if self.meter is not None:
             self._measure(saved, tensor, spec)
@@ -694,9 +711,9 @@ class SaveHooks:
 
     def _live_save(self, tensor: torch.Tensor) -> Saved | None:
         """What this forward's save of ``tensor`` returned, if it was saved already: the same
-        object, or the same storage view (NOTE [Boundary saves])."""
+        object, or the same storage view (NOTE [Boundary saves], NOTE [Aliased saves])."""
         hit = self.live.get(tensor, self.tracker.generation)
-        if hit is None and self.boundaries:
+        if hit is None and self.boundaries and (self.compiled_sites or tensor._is_view()):
             hit = self.boundaries.get(tensor, self.tracker.generation)
         return hit
 
