@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import types
 import warnings
 from collections.abc import Callable
 
@@ -382,6 +383,47 @@ def test_an_adaptation_waiting_for_the_budget_adapts_what_it_measured(
     assert plan.bits[sharp] > prior[sharp]  # the measurements decide the measured widths
     assert set(plan.sensitivity) == plan.measured
     assert controller.stats()["average_bits"] <= cfg.avg_bits + 1e-9
+
+
+def test_measured_tensors_are_re_measured_on_schedule_while_probes_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NOTE [Measuring steps]: on a machine where training steps look slow and measuring
+    looks cheap, the probes (whole steps each) never fit the 5% budget, but the measured
+    tensors are measured and re-allocated again at every step of the schedule (1, 2, 4, 8,
+    16), each time by their new sensitivities, the held ones keeping their widths. Before,
+    their widths stayed those of step 1 until the probes ran: a linear input insensitive at
+    initialisation (attention's queries) stayed at 1 bit for hundreds of steps."""
+    model, counted, calls = _counted("transformer")
+    cfg = GactConfig.from_level("L2", min_numel=0, adapt_first_gap=1, adapt_budget=0.05)
+    for module, tick in {"controller": 1.0, "adapt": 1e-6, "measured": 1e-6}.items():
+        now = iter(range(10**9))
+        fake = types.SimpleNamespace(perf_counter=lambda now=now, tick=tick: tick * next(now))
+        monkeypatch.setattr(f"gact.{module}.time", fake)
+    measure = SensitivityMeter.sensitivities
+    step = [0]
+
+    def moving(meter: SensitivityMeter) -> dict[str, float]:  # one rises at step 8
+        values = measure(meter).items()
+        return {k: v * (1e6 if k.startswith("mlp.2") and step[0] >= 8 else 1) for k, v in values}
+
+    monkeypatch.setattr(SensitivityMeter, "sensitivities", moving)
+    armed, widths = [], []
+    with Controller(model, cfg) as controller:
+        model.register_forward_hook(lambda *_: armed.append(controller.hooks.meter is not None))
+        controller.iterate(counted)
+        prior = dict(controller.plan.bits)
+        for step[0] in range(1, 20):
+            controller.iterate(counted)
+            widths.append(dict(controller.plan.bits))
+    assert [s for s, on in enumerate(armed) if on] == [1, 2, 4, 8, 16]
+    assert calls[0] == 20  # no probe
+    adapter, plan = controller.adapter, controller.plan
+    assert adapter.count == 5 and adapter.last_step is None  # the probes are still due
+    held = set(plan.bits) - plan.measured
+    assert held and all(w[k] == prior[k] for w in widths for k in held)
+    (sharp,) = [k for k in plan.measured if k.startswith("mlp.2")]
+    assert widths[7][sharp] > widths[3][sharp]  # re-allocated when its sensitivity rose
 
 
 def test_two_valued_tensors_need_no_probe() -> None:

@@ -134,7 +134,9 @@ class Items:
 # it measured share the bits left by the others, which are *held* at their widths (pinned in
 # the allocation, their sensitivities unchanged). That allocation is the best one for the
 # measured tensors, whose sensitivities are exact, given the held ones' widths. The probing
-# adaptation stays due (``last_step`` does not move) and runs once the budget affords it; a
+# adaptation stays due (``last_step`` does not move) and runs once the budget affords it;
+# meanwhile the measured tensors are measured and re-allocated again on the schedule's steps
+# counted from the last adaptation of any kind (NOTE [Measuring steps] in controller.py). A
 # ``step()`` loop that never called ``iterate(closure)``, and so cannot probe, moves on to the
 # schedule's next adaptation.
 # Measured tensors alone are the GNN examples' whole story once their messages are stored as
@@ -158,7 +160,9 @@ class Adapter:
         self.count = 0
         self.seconds = 0.0  # spent adapting, all adaptations together
         self.last_seconds = 0.0  # the last adaptation's cost: predicts the next one's
-        self.last_step: int | None = None
+        self.last_step: int | None = None  # the last adaptation that probed what it needed
+        self.last_adapted: int | None = None  # the last one of any kind, held ones included
+        self.last_held_seconds = 0.0  # the last held adaptation's cost (NOTE [Held tensors])
         self.has_prior = False
         self._items = 0  # items of the last allocation (predicts the probe count)
         self.last_probed = 0  # items the last adaptation probed
@@ -226,10 +230,13 @@ class Adapter:
         spent = time.perf_counter() - start
         self.seconds += spent  # the meter's own time is counted by the controller
         cost = spent + (meter.seconds if meter is not None else 0.0)
+        self.last_adapted = plan.step
         if not (held.size and probes_later):  # NOTE [Held tensors]: their probes stay due
             self.last_step = plan.step
             self.last_probed = int(probed.size)
             self.last_seconds = cost
+        else:
+            self.last_held_seconds = cost
         widths, counts = np.unique(np.where(bits > 8, 0, bits), return_counts=True)
         per_width = (
             f"{f'{w} bits' if w else 'full precision'}: {n}" for w, n in zip(widths, counts)

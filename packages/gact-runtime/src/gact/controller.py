@@ -462,9 +462,14 @@ class Controller:
     # A step is measured (NOTE [Measured sensitivities] in measured.py) when the schedule makes
     # it an adaptation's and the adaptation it serves looks affordable: the first time always
     # (it tells which tensors need probes), then when the budget affords probing the tensors
-    # the last measurement left to probes. So an adaptation that waits for the budget does not
-    # pay a measurement at every step while it waits, and one that measures adapts, at the
-    # step's end, with no probe for the tensors it measured.
+    # the last measurement left to probes, and, while those probes wait for the budget, on the
+    # schedule's steps counted from the last adaptation of any kind (first_gap, twice that,
+    # ...), if the budget affords the last measuring adaptation's cost again. Such a step
+    # adapts the measured tensors and holds the others (NOTE [Held tensors] in adapt.py). So
+    # the measured tensors follow training at a fraction of a step per adaptation (a
+    # transformer's queries, insensitive at initialisation, are not left at 1 bit until the
+    # probes are affordable: 250 steps on the LLaMA-style decoder), and an adaptation that
+    # waits does not pay a measurement at every step.
     def _arm(self) -> None:
         """Attach a meter to the open step if it is a measuring one (NOTE above)."""
         if (
@@ -472,10 +477,25 @@ class Controller:
             and not self.hooks.probing
             and self.config.measure_linear
             and self._scheduled()
-            and (self._unmeasured is None or self._affordable(self._unmeasured))
+            and (
+                self._unmeasured is None
+                or self._affordable(self._unmeasured)
+                or self._remeasuring()
+            )
         ):
             self.hooks.meter = SensitivityMeter()
             self.hooks.meter.start()
+
+    def _remeasuring(self) -> bool:
+        """Whether the open step measures again while the probes wait (NOTE above)."""
+        cfg, adapter = self.config, self.adapter
+        if not cfg.schedule.due(self.plan.step, last=adapter.last_adapted):
+            return False
+        return cfg.schedule.affordable(
+            adapted_seconds=adapter.seconds,
+            trained_seconds=self._step_seconds - adapter.seconds,
+            cost_seconds=adapter.last_held_seconds,
+        )
 
     def _disarm(self) -> SensitivityMeter | None:
         """Stop the open step's meter; returns it (``None`` if none ran)."""
