@@ -181,6 +181,34 @@ def test_views_of_one_input_saved_by_several_linear_layers_are_stored_once() -> 
     assert stored[3] == stored[1]
 
 
+class _LazyViews(nn.Module):
+    """Products of a view with its lazily conjugated or negated view: same storage, offset,
+    shape, strides and dtype, other values."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(64, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = (x * self.w).view(-1)
+        lazy = h.conj() if h.is_complex() else torch._neg_view(h)
+        return (h * lazy).real.sum() if h.is_complex() else (h * lazy).sum()
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.float32], ids=["conj", "neg"])
+def test_views_that_differ_in_a_lazy_bit_are_not_one_save(dtype: torch.dtype) -> None:
+    """NOTE [Aliased saves]: ``h.conj()`` and ``torch._neg_view(h)`` alias ``h`` with a
+    conjugate or negative bit; taken for ``h``, the product's gradient came out wrong."""
+    model, x = _LazyViews(dtype), torch.randn(32, 64, dtype=dtype)
+    model(x).backward()
+    reference = model.w.grad.clone()
+    model.zero_grad()
+    with Controller(model, GactConfig.from_level("L1.1", min_numel=0)) as controller:
+        model(x).backward()
+    assert controller.stats()["deduplicated_saves"] == 0
+    torch.testing.assert_close(model.w.grad, reference, rtol=0.02, atol=0.02)
+
+
 def test_aliased_saves_are_measured_once_per_reader() -> None:
     """A save shared by two linear layers adds both weight gradients' errors to its key's
     measured sensitivity (NOTE [Measured sensitivities])."""

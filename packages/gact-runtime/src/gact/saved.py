@@ -355,7 +355,10 @@ class _LiveTable:
 # storage. PyTorch holds that storage once; keyed by object, GACT stored and rounded it three
 # times (14-15% of the saved bytes of the model matrix's LLaMA-style decoder and ViT). So
 # every eager save that is a view (``_is_view()``, 0.1 us) is also mapped by storage, offset,
-# shape, strides and dtype, and a view that misses the object table is looked up there.
+# shape, strides, dtype and the lazy conjugate and negative bits (``h.conj()`` and
+# ``torch._neg_view(h)`` alias ``h`` with other values: without the bits in the key, the
+# gradient of ``h * h.conj()`` came out wrong), and a view that misses the object table is
+# looked up there.
 # Eager code never writes into a live storage behind its version counter, which every view
 # shares with its base, and the weak reference to the storage tells when it died (its address
 # may then be reused). The readers of one stored rounding are different calls, so each adds
@@ -364,9 +367,9 @@ class _LiveTable:
 
 
 class _LiveStorages:
-    """Weak map from live storages (same storage, offset, shape, strides, dtype, version and
-    forward) to what ``pack`` returned for a tensor on them (NOTE [Boundary saves], NOTE
-    [Aliased saves])."""
+    """Weak map from live storages (same storage, offset, shape, strides, dtype, lazy
+    conjugate and negative bits, version and forward) to what ``pack`` returned for a tensor
+    on them (NOTE [Boundary saves], NOTE [Aliased saves])."""
 
     def __init__(self) -> None:
         self._entries: dict[tuple, tuple[StorageWeakRef, int, weakref.ref, int]] = {}
@@ -375,7 +378,7 @@ class _LiveStorages:
     def _key(tensor: torch.Tensor) -> tuple:
         return (
             tensor.untyped_storage()._cdata, tensor.storage_offset(), tuple(tensor.shape),
-            tensor.stride(), tensor.dtype,
+            tensor.stride(), tensor.dtype, tensor.is_conj(), tensor.is_neg(),
         )  # fmt: skip
 
     def get(self, tensor: torch.Tensor, forward: int) -> Saved | None:
