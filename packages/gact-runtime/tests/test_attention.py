@@ -77,6 +77,37 @@ def test_fused_attention_is_recomputed_from_its_rounded_inputs(level: str) -> No
     )
 
 
+class _ScaledQueries(Attention):
+    """``Attention`` whose queries a product with a parameter saves first: one tensor, read
+    by a call that needs it at the level's width and by one that needs 2 bits more."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (m(x).view(b, t, 4, 16).transpose(1, 2) for m in (self.q, self.k, self.v))
+        scaled = (q * self.scale).sum()  # saves q first
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return out.transpose(1, 2).reshape(b, t, 64) + scaled
+
+
+def test_a_save_shared_with_a_call_needing_more_bits_is_stored_for_each() -> None:
+    """The queries, saved first by a product at the level's width, are saved again by the
+    fused attention, which prefers 2 bits more (NOTE [Attention from its rounded inputs]): it
+    gets its own save at those bits, not the product's (NOTE [Aliased saves] in saved.py)."""
+    model, x = _ScaledQueries(), torch.randn(4, 32, 32)
+    with Controller(model, GactConfig.from_level("L1", min_numel=0)) as controller:
+        model(x).sum().backward()
+        controller.step()
+    width = GactConfig.from_level("L1").bits
+    extra = width + decisions.ATTENTION_EXTRA_BITS
+    records = controller.ledger.last.values()
+    queries = [r.bits for r in records if r.shape == (4, 4, 32, 16) and r.kind.name == "QUANTIZED"]
+    assert sorted(queries) == [width, width, extra, extra]  # product's q; v; attention's q, k
+
+
 def test_fused_attention_gradient_is_unbiased() -> None:
     """Mean of the query/key weight gradients over 64 rounding seeds at L1 against fp32, per
     element in standard errors of that mean: a gradient recomputed at rounded inputs is biased

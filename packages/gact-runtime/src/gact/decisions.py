@@ -261,6 +261,11 @@ class DecisionSpec:
         """Whether a save of ``tensor`` made during the call is kept uncompressed."""
         return self.exact or id(tensor) in self.exact_ids or tensor.numel() <= self.exact_numel
 
+    def shapes(self, tensor: torch.Tensor) -> bool:
+        """Whether the call asks a save of ``tensor`` for a width (a floor or preferred bits)
+        or a group layout (rows) of its own, which another call's save of it may not have."""
+        return id(tensor) in self.precise_ids or id(tensor) == self.rows_id
+
 
 _EXACT = DecisionSpec(exact=True)
 _POSITIVE = DecisionSpec(((True, 0.0),))  # ELU and the like also read the value below 0

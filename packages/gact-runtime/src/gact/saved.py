@@ -363,7 +363,11 @@ class _LiveTable:
 # shares with its base, and the weak reference to the storage tells when it died (its address
 # may then be reused). The readers of one stored rounding are different calls, so each adds
 # its own error to its own parameters' gradients, each unbiased; a key's measured sensitivity
-# sums its readers' terms (NOTE [Measured sensitivities] in measured.py).
+# sums its readers' terms (NOTE [Measured sensitivities] in measured.py). A call that asks its
+# save for a width or groups of its own (``DecisionSpec.shapes``: a fused attention's queries
+# and keys, a BatchNorm input on small maps, a norm's rows) does not reuse a compressed save
+# another call made, alias or the same object: the queries saved first by a product at the
+# level's width were read by the attention's backward at that width, 2 bits short.
 
 
 class _LiveStorages:
@@ -689,6 +693,8 @@ class SaveHooks:
             exact = True  # see NOTE [Compiled forwards] in scope.py
         if hit is not None and (exact or (spec is not None and spec.keeps(tensor))):
             hit = hit if isinstance(hit, SavedKept) else None  # a compressed copy would not do
+        if isinstance(hit, SavedCompressed) and spec is not None and spec.shapes(tensor):
+            hit = None  # nor one with another call's width or groups (NOTE [Aliased saves])
         if hit is not None:
             self.ledger.deduplicated += 1
             if isinstance(hit, SavedCompressed) and spec is not None and spec.predicates:
