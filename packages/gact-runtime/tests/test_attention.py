@@ -279,4 +279,6 @@ def test_recomputed_attention_leaves_nothing_alive_after_its_step() -> None:
                 model(q, k, v).backward(grad_out)
                 controller.step()
             counts.append(live_tensors())
-    assert counts[1] == counts[0]
+    # a leak adds tensors each round; fewer can happen when an earlier test's garbage (torch
+    # compile's caches, after test_compile.py) is released meanwhile
+    assert counts[1] <= counts[0]

@@ -635,6 +635,48 @@ def test_a_tensor_two_graphs_save_is_stored_once(backend: str) -> None:
     assert stats[True]["deduplicated_saves"] >= 4
 
 
+class _CompiledAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(()))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True) * self.gain
+
+
+class _ScaledQueriesCompiledAttention(nn.Module):
+    """Eager projections whose queries a product with a parameter saves first, then a compiled
+    attention whose graph saves the same queries, a graph input, for its fused backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(32, 64), nn.Linear(32, 64), nn.Linear(32, 64)
+        self.scale = nn.Parameter(torch.ones(16))
+        self.attn = _CompiledAttention()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (m(x).view(b, t, 4, 16).transpose(1, 2) for m in (self.q, self.k, self.v))
+        scaled = (q * self.scale).sum()
+        return self.attn(q, k, v).sum() + scaled
+
+
+def test_a_boundary_save_needing_more_bits_is_not_an_eager_saves() -> None:
+    """A compiled fused attention's queries need 6 bits (``ATTENTION_BITS``); the same tensor
+    saved first by eager code at the level's width was reused at the graph's boundary (NOTE
+    [Boundary saves]), so the compiled backward read 4-bit queries. It now has its own save."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _ScaledQueriesCompiledAttention()
+    model.attn.compile(backend="aot_eager")
+    with Controller(model, GactConfig.from_level("L1", min_numel=0)) as controller:
+        for _ in range(2):
+            model(torch.randn(4, 32, 32)).backward()
+            controller.step()
+    graph = [r for k, r in controller.ledger.last.items() if "@primals" in k]
+    assert sorted(r.bits for r in graph) == [4, 6, 6]  # v; q and k
+
+
 def test_a_relu_output_a_graph_returns_is_stored_on_the_zero_exact_grid() -> None:
     """AOTAutograd saves a ``detach`` of a ReLU output its graph returns: that alias is the
     ReLU's output, stored on the zero-exact grid with no mask, as eager code stores it (it took

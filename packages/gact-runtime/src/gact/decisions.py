@@ -264,7 +264,9 @@ class DecisionSpec:
     def shapes(self, tensor: torch.Tensor) -> bool:
         """Whether the call asks a save of ``tensor`` for a width (a floor or preferred bits)
         or a group layout (rows) of its own, which another call's save of it may not have."""
-        return id(tensor) in self.precise_ids or id(tensor) == self.rows_id
+        ident = id(tensor)
+        precise = ident in self.precise_ids and bool(self.min_bits or self.extra_bits)
+        return precise or ident == self.rows_id
 
 
 _EXACT = DecisionSpec(exact=True)

@@ -366,8 +366,10 @@ class _LiveTable:
 # sums its readers' terms (NOTE [Measured sensitivities] in measured.py). A call that asks its
 # save for a width or groups of its own (``DecisionSpec.shapes``: a fused attention's queries
 # and keys, a BatchNorm input on small maps, a norm's rows) does not reuse a compressed save
-# another call made, alias or the same object: the queries saved first by a product at the
-# level's width were read by the attention's backward at that width, 2 bits short.
+# another call made, alias or the same object, nor does a compiled graph's boundary save
+# that needs one (a compiled fused attention's queries): the queries saved first by a
+# product at the level's width were read by the attention's backward at that width, 2 bits
+# short in eager code and 2 below ``ATTENTION_BITS`` in a compiled graph.
 
 
 class _LiveStorages:
@@ -623,7 +625,10 @@ class SaveHooks:
         if boundary:
             hit = self._live_save(tensor)
             if isinstance(hit, SavedKept) or (
-                isinstance(hit, SavedCompressed) and hit.table is None and kind is None
+                isinstance(hit, SavedCompressed)
+                and hit.table is None
+                and kind is None
+                and not spec.shapes(tensor)  # NOTE [Aliased saves]
             ):
                 self.ledger.deduplicated += 1
                 if isinstance(hit, SavedCompressed):
