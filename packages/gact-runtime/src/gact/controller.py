@@ -489,8 +489,9 @@ class Controller:
     def _remeasuring(self) -> bool:
         """Whether the open step measures again while the probes wait (NOTE above)."""
         cfg, adapter = self.config, self.adapter
-        if not cfg.schedule.due(self.plan.step, last=adapter.last_adapted):
-            return False
+        last = adapter.last_adapted
+        if last is None or not cfg.schedule.due(self.plan.step, last=last):
+            return False  # none adapted yet: measuring again would measure every step
         return cfg.schedule.affordable(
             adapted_seconds=adapter.seconds,
             trained_seconds=self._step_seconds - adapter.seconds,
