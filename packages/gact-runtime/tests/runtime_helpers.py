@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import types
 from typing import Any, Callable
 
 import gact_kernels
@@ -109,3 +110,14 @@ def measured_step(
         backward()
         meter.stop()
     return controller, meter
+
+
+def fake_clocks(monkeypatch: pytest.MonkeyPatch, *, training: float, adapting: float) -> None:
+    """Replace the clocks the time budget reads: the controller's advances ``training`` per
+    reading, the adapter's and the meter's ``adapting`` (a machine on which training, or
+    adapting, looks slow), so budget decisions do not depend on this machine's load."""
+    clocks = {"controller": training, "adapt": adapting, "measured": adapting}
+    for module, tick in clocks.items():
+        now = iter(range(10**9))
+        fake = types.SimpleNamespace(perf_counter=lambda now=now, tick=tick: tick * next(now))
+        monkeypatch.setattr(f"gact.{module}.time", fake)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import types
 import warnings
 
 import gact
@@ -17,7 +16,7 @@ from gact.ledger import Kind
 from gact.plan import BitPlan
 from gact.saved import SavedCompressed, SaveHooks
 from models import make_case
-from runtime_helpers import grads_of, make_closure, record_saves
+from runtime_helpers import fake_clocks, grads_of, make_closure, record_saves
 from torch import nn
 
 
@@ -337,11 +336,7 @@ def _run_on_clocks(
     """``_train`` for 30 steps with the controller's clock advancing ``step_tick`` and the
     adapter's and meter's ``adapt_tick`` per reading: a machine on which training, or adapting,
     looks slow."""
-    clocks = {"controller": step_tick, "adapt": adapt_tick, "measured": adapt_tick}
-    for module, tick in clocks.items():
-        now = iter(range(10**9))
-        fake = types.SimpleNamespace(perf_counter=lambda now=now, tick=tick: tick * next(now))
-        monkeypatch.setattr(f"gact.{module}.time", fake)
+    fake_clocks(monkeypatch, training=step_tick, adapting=adapt_tick)
     return _train(cfg, 30)
 
 

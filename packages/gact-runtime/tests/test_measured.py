@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import types
 import warnings
 from collections.abc import Callable
 
@@ -16,7 +15,7 @@ from gact import Controller, GactConfig, GactWarning
 from gact.decisions import DecisionMode, current_spec
 from gact.measured import SensitivityMeter
 from models import make_case
-from runtime_helpers import make_closure, measured_step
+from runtime_helpers import fake_clocks, make_closure, measured_step
 from torch import nn
 
 
@@ -396,10 +395,7 @@ def test_measured_tensors_are_re_measured_on_schedule_while_probes_wait(
     initialisation (attention's queries) stayed at 1 bit for hundreds of steps."""
     model, counted, calls = _counted("transformer")
     cfg = GactConfig.from_level("L2", min_numel=0, adapt_first_gap=1, adapt_budget=0.05)
-    for module, tick in {"controller": 1.0, "adapt": 1e-6, "measured": 1e-6}.items():
-        now = iter(range(10**9))
-        fake = types.SimpleNamespace(perf_counter=lambda now=now, tick=tick: tick * next(now))
-        monkeypatch.setattr(f"gact.{module}.time", fake)
+    fake_clocks(monkeypatch, training=1.0, adapting=1e-6)
     measure = SensitivityMeter.sensitivities
     step = [0]
 
@@ -424,6 +420,43 @@ def test_measured_tensors_are_re_measured_on_schedule_while_probes_wait(
     assert held and all(w[k] == prior[k] for w in widths for k in held)
     (sharp,) = [k for k in plan.measured if k.startswith("mlp.2")]
     assert widths[7][sharp] > widths[3][sharp]  # re-allocated when its sensitivity rose
+
+
+class _Unmeasurable(nn.Module):
+    """Saves nothing a meter can measure: a tanh's output, and its square's input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x + self.bias).square().sum()
+
+
+def test_a_run_that_never_adapted_does_not_measure_every_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NOTE [Measuring steps]: a measuring step that finds nothing to measure and cannot
+    afford its probes adapts nothing; measuring again waits for the probes, not for a
+    schedule counted from an adaptation that never happened (which made every later step a
+    measuring one)."""
+    model, x = _Unmeasurable(), torch.randn(32, 64)
+    cfg = GactConfig.from_level("L2", min_numel=0, adapt_first_gap=1, adapt_budget=0.05)
+    fake_clocks(monkeypatch, training=1.0, adapting=1e-6)
+
+    def closure() -> torch.Tensor:
+        model.zero_grad()
+        loss = model(x)
+        loss.backward()
+        return loss
+
+    armed = []
+    with Controller(model, cfg) as controller:
+        model.register_forward_hook(lambda *_: armed.append(controller.hooks.meter is not None))
+        for _ in range(20):
+            controller.iterate(closure)
+    assert [s for s, on in enumerate(armed) if on] == [1]
+    assert controller.adapter.count == 0
 
 
 def test_two_valued_tensors_need_no_probe() -> None:

@@ -424,7 +424,7 @@ class Controller:
         """Whether the time budget affords an adaptation that probes ``probed`` items
         (``None``: as many as the last adaptation, or every item before any)."""
         cfg, adapter = self.config, self.adapter
-        trained = self._step_seconds - adapter.seconds
+        trained = self._trained_seconds()
         per_step = trained / max(self.plan.step, 1)
         if probed is None or (probed and adapter.last_probed):
             cost = adapter.last_seconds or adapter.predicted_cost(per_step, self._probe_fraction)
@@ -433,6 +433,10 @@ class Controller:
         return cfg.schedule.affordable(
             adapted_seconds=adapter.seconds, trained_seconds=trained, cost_seconds=cost
         )
+
+    def _trained_seconds(self) -> float:
+        """Seconds between step boundaries spent on anything but adapting."""
+        return self._step_seconds - self.adapter.seconds
 
     def _scheduled(self) -> bool:
         """Whether the schedule alone makes the open step an adaptation's (the time budget
@@ -494,7 +498,7 @@ class Controller:
             return False  # none adapted yet: measuring again would measure every step
         return cfg.schedule.affordable(
             adapted_seconds=adapter.seconds,
-            trained_seconds=self._step_seconds - adapter.seconds,
+            trained_seconds=self._trained_seconds(),
             cost_seconds=adapter.last_held_seconds,
         )
 
@@ -604,7 +608,7 @@ class Controller:
             step boundaries (0.05: adapting made training 5% slower).
         """
         out = self.ledger.stats()
-        training = self._step_seconds - self.adapter.seconds
+        training = self._trained_seconds()
         out.update(
             level=self.config.level,
             memory_budget=self.config.memory_budget,

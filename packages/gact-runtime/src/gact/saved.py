@@ -623,7 +623,7 @@ class SaveHooks:
         kind, compact = self._classify(key, tensor, spec, inside=True, exact=False)
         boundary = site.graph_input or site.graph_output  # NOTE [Boundary saves]
         if boundary:
-            hit = self._live_save(tensor)
+            hit = self._live_save(tensor, by_storage=True)
             if isinstance(hit, SavedKept) or (
                 isinstance(hit, SavedCompressed)
                 and hit.table is None
@@ -689,17 +689,20 @@ class SaveHooks:
         ):  # NOTE [Shape-only saves]
             self.ledger.record(key, tensor, Kind.SHAPE, None, 0)
             return SavedShape(tensor, key)
-        hit = self._live_save(tensor)
-        if isinstance(hit, SavedCompressed) and hit.table is not None:
-            hit = None  # only the function's own backward may read a table (NOTE in pointwise.py)
+        # a compiled graph may save it again (NOTE [Boundary saves]), another call another
+        # view of its storage (NOTE [Aliased saves])
+        by_storage = bool(self.compiled_sites) or tensor._is_view()
+        hit = self._live_save(tensor, by_storage)
         exact = region_input and not self.plan.config.compress_checkpoint_inputs
         if inside and self.tracker.compiled():  # eager code in a compiled forward
             self.on_compiled()
             exact = True  # see NOTE [Compiled forwards] in scope.py
-        if hit is not None and (exact or (spec is not None and spec.keeps(tensor))):
-            hit = hit if isinstance(hit, SavedKept) else None  # a compressed copy would not do
-        if isinstance(hit, SavedCompressed) and spec is not None and spec.shapes(tensor):
-            hit = None  # nor one with another call's width or groups (NOTE [Aliased saves])
+        if isinstance(hit, SavedCompressed) and (
+            hit.table is not None  # only the function's own backward reads a table (pointwise.py)
+            or exact  # a compressed copy would not do,
+            or (spec is not None and (spec.keeps(tensor) or spec.shapes(tensor)))
+        ):  # nor one with another call's width or groups (NOTE [Aliased saves])
+            hit = None
         if hit is not None:
             self.ledger.deduplicated += 1
             if isinstance(hit, SavedCompressed) and spec is not None and spec.predicates:
@@ -715,19 +718,18 @@ class SaveHooks:
             saved = self._compress(key, tensor, compact, spec)
         if not (isinstance(saved, SavedCompressed) and saved.table is not None):
             self.live.add(tensor, saved, self.tracker.generation)
-            # a compiled graph may save it again (NOTE [Boundary saves]), another call another
-            # view of its storage (NOTE [Aliased saves])
-            if self.compiled_sites or tensor._is_view():
+            if by_storage:
                 self.boundaries.add(tensor, saved, self.tracker.generation)
         if self.meter is not None:
             self._measure(saved, tensor, spec)
         return saved
 
-    def _live_save(self, tensor: torch.Tensor) -> Saved | None:
+    def _live_save(self, tensor: torch.Tensor, by_storage: bool) -> Saved | None:
         """What this forward's save of ``tensor`` returned, if it was saved already: the same
-        object, or the same storage view (NOTE [Boundary saves], NOTE [Aliased saves])."""
+        object, or, ``by_storage``, the same storage view (NOTE [Boundary saves], NOTE
+        [Aliased saves])."""
         hit = self.live.get(tensor, self.tracker.generation)
-        if hit is None and self.boundaries and (self.compiled_sites or tensor._is_view()):
+        if hit is None and by_storage and self.boundaries:
             hit = self.boundaries.get(tensor, self.tracker.generation)
         return hit
 
