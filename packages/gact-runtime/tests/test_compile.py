@@ -336,6 +336,37 @@ def test_install_cycles_and_pauses_never_recompile(spelling: str, pause: bool) -
     assert any(r.kind is Kind.QUANTIZED for k, r in controller.ledger.last.items() if "@" in k)
 
 
+class _Wrapped(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("root", ["nn.Sequential", "a model class of its own"])
+def test_a_compiled_module_given_to_the_controller_runs_without_graph_breaks(root: str) -> None:
+    """NOTE [Compiled forwards] in scope.py: ``Controller(torch.compile(model))`` enters the
+    model's scope in hooks of the compiled module, outside dynamo's frames. The model's own root
+    hooks, which dynamo inlines for a torch.nn container (``nn.Sequential``), broke its graph
+    before and after the forward, and a torch without nested graph-break resumption (2.11)
+    then ran the whole forward eagerly: nothing was compressed."""
+    model = _pooling_cnn()
+    if root != "nn.Sequential":
+        model = _Wrapped(model)
+    run = torch.compile(model, backend="aot_eager")
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    with Controller(run, GactConfig.from_level("L1", min_numel=0)) as controller:
+        for _ in range(2):
+            run(torch.randn(16, 1, 16, 16)).square().sum().backward()
+            controller.step()
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1
+    assert controller.stats()["ratio"] > 2
+
+
 class _SinhOverNorm(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -395,9 +426,8 @@ def test_eager_saves_in_a_compiled_forward_are_kept_and_warned_once(
     own saves are compressed, their inputs and outputs included (NOTE [Compiled saves]): the
     island's output, saved by ``c``, and ``act``'s output, returned to the island. Where only
     intermediates reach the hooks (AOTAutograd's default, ``hand_over=False``) and no compiled
-    graph has saved through them (as every graph on a torch that does not trace them: 2.11 on
-    the GPU machine), the warning says compiling may save nothing here and which torch traces
-    them."""
+    graph has saved through them, the warning says compiling saves nothing here, and how a
+    torch that cannot resume a graph break inside a module's call (2.11) may get there."""
     if not hand_over:
         _default_filtering(monkeypatch)
     torch.manual_seed(0)

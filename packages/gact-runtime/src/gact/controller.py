@@ -104,9 +104,12 @@ class Controller:
             raise ValueError(
                 "model has no parameters: there is nothing to train, so GACT has nothing to do"
             )
-        # Controller(torch.compile(model)): track the compiled module's original
-        self._compiled = hasattr(model, "_orig_mod")
-        model = getattr(model, "_orig_mod", model)
+        # Controller(torch.compile(model)): track the compiled module's original, entering its
+        # scope around the compiled module's calls (NOTE [Compiled forwards] in scope.py)
+        self._compiled: weakref.ref[nn.Module] | None = None
+        if isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            self._compiled = weakref.ref(model)
+            model = model._orig_mod
         self.model = model
         self.plan = BitPlan(config if config is not None else get_config())
         self.ledger = Ledger()
@@ -202,8 +205,10 @@ class Controller:
                 "reproducible run (every scheduled adaptation then runs)",
             )
         self.parameter_filter.refresh()
-        is_compiled = self._compiled or getattr(self.model, "_compiled_call_impl", None) is not None
-        self.tracker.attach(root_only=is_compiled)  # see NOTE [Compiled forwards] in scope.py
+        runner = None if self._compiled is None else self._compiled()
+        if runner is None and getattr(self.model, "_compiled_call_impl", None) is not None:
+            runner = self.model  # model.compile()
+        self.tracker.attach(compiled=runner)  # see NOTE [Compiled forwards] in scope.py
         context = torch.autograd.graph.saved_tensors_hooks(*self.hooks.modules)
         context.__enter__()
         compiled.CompileSettings.enter()
@@ -330,11 +335,12 @@ class Controller:
                 "compile",
                 "the model's forward is compiled (torch.compile) and saved tensors eagerly, and "
                 "none of its compiled graphs has saved a tensor through GACT's hooks: GACT keeps "
-                "these saves as they are. If the graphs do save tensors, this torch "
-                f"({torch.__version__}) does not trace saved-tensor hooks into them (torch 2.11 "
-                "breaks the graph inside them; 2.13 traces them), so compiling saves no "
-                "activation memory here: use torch 2.13 or later, or train the model uncompiled "
-                "under GACT",
+                "these saves as they are, so compiling saves no activation memory here. If this "
+                f"torch ({torch.__version__}) cannot resume a graph break inside a module's call "
+                "(2.11 cannot, 2.13 can), it runs a torch.nn container's compiled forward "
+                "eagerly once GACT's hooks on its root break the graph: give the controller the "
+                "compiled module, Controller(torch.compile(model)), whose hooks run outside the "
+                "compiled frames, or use torch 2.13 or later",
             )
             return
         self._warn_once(

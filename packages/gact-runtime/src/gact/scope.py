@@ -42,18 +42,31 @@ _ticks = itertools.count(1)
 
 
 # NOTE [Compiled forwards]
-# Under ``torch.compile`` the hooks of the model's root module run eagerly (wrapped in
-# ``torch._dynamo.disable``: one graph break before and after the whole forward) and notice that
-# dynamo is running the forward; the hooks of submodules do nothing while dynamo traces, so they
-# leave no side effects in the graph. A compiled forward runs without ``DecisionMode``: the saves
-# of its compiled graphs are traced into them with decisions read off the compiled backward
-# (NOTE [Compiled saves] in compiled.py), while tensors saved by eager code between its graphs
-# (at graph breaks) are kept as they are, since no ``DecisionMode`` saw the calls that saved them.
-# A model known to be compiled when the hooks are installed (the controller was given the
-# compiled module, or ``nn.Module.compile()`` ran before) gets the root's hooks alone: its
-# submodules' hooks would do nothing, and dynamo guards on them, so registering them anew at
-# every ``install_hook()`` would recompile the model each time (the root's hooks run outside the
-# compiled frames). Its eager saves at graph breaks are then all named under ``<root>``.
+# A compiled forward runs without ``DecisionMode``: the saves of its compiled graphs are traced
+# into them with decisions read off the compiled backward (NOTE [Compiled saves] in
+# compiled.py), while tensors saved by eager code between its graphs (at graph breaks) are kept
+# as they are, since no ``DecisionMode`` saw the calls that saved them. The model's scope is
+# entered where dynamo does not trace:
+# - Given the module ``torch.compile(model)`` returned, the tracker hooks that module alone: its
+#   hooks run before dynamo's frame starts, and the model itself has none. Hooks on the model's
+#   root, wrapped in ``torch._dynamo.disable``, would run inside the compiled frame for a
+#   torch.nn container (dynamo inlines ``nn.Sequential``'s call), breaking the graph before and
+#   after the forward; a torch that cannot resume a graph break inside an inlined call (2.11)
+#   then runs the whole forward eagerly, and nothing was compressed. With a model class of the
+#   user's own, ``torch.compile`` runs the model's hooks outside its frames anyway. A call of
+#   the uncompiled model itself is then outside the controlled forward: its saves are kept.
+# - For a model compiled in place (``model.compile()``) or one compiled after the hooks were
+#   installed, the tracker cannot see the compiled entry point: the root gets the
+#   ``torch._dynamo.disable``-d hooks, which notice that dynamo is running the forward
+#   (``_called_by_dynamo``). torch 2.13 resumes the graph after them; 2.11 runs a container's
+#   forward eagerly there (``Controller._on_compiled`` warns and says to pass the compiled
+#   module instead).
+# The hooks of submodules do nothing while dynamo traces, so they leave no side effects in the
+# graph. A model known to be compiled when the hooks are installed gets no submodule hooks: they
+# would do nothing, and dynamo guards on them, so registering them anew at every
+# ``install_hook()`` would recompile the model each time (the root's or the compiled module's
+# hooks run outside the compiled frames). Its eager saves at graph breaks are then all named
+# under ``<root>``.
 
 
 def _eager(hook: Callable[..., None]) -> Callable[..., None]:
@@ -178,10 +191,23 @@ class ScopeTracker:
     # own (``_eager``: see NOTE [Compiled forwards]). PyTorch runs global forward hooks before
     # a module's own, so what a user's forward hook on a submodule saves is named in the
     # parent's scope (deterministically, as every key must be).
-    def attach(self, *, root_only: bool = False) -> None:
-        """Register forward pre/post hooks on every module of the model (``root_only``: on the
-        root alone, for a compiled model: see NOTE [Compiled forwards])."""
+    def attach(self, *, compiled: nn.Module | None = None) -> None:
+        """Register forward pre/post hooks on every module of the model, or, for a model known
+        to be compiled, on the compiled module or the model's root alone (NOTE [Compiled
+        forwards]).
+
+        Args:
+            compiled: the module ``torch.compile(model)`` returned, whose hooks then enter the
+                model's scope, or the model itself after ``model.compile()``; ``None`` for a
+                model not known to be compiled.
+        """
         if self._handles:
+            return
+        if compiled is not None and compiled is not self._model:
+            self._handles.append(compiled.register_forward_pre_hook(self._compiled_module_enter))
+            self._handles.append(
+                compiled.register_forward_hook(self._compiled_module_leave, always_call=True)
+            )
             return
         enter, leave = self._module_hooks()
         for name, module in self._model.named_modules():
@@ -189,7 +215,7 @@ class ScopeTracker:
                 self._handles.append(module.register_forward_pre_hook(self._root_enter()))
                 leave_root = self._root_leave()
                 self._handles.append(module.register_forward_hook(leave_root, always_call=True))
-            elif root_only:
+            elif compiled is not None:
                 break
             else:
                 self._labels[id(module)] = name
@@ -205,12 +231,12 @@ class ScopeTracker:
         self._labels.clear()
         self._local = threading.local()
 
-    def _push(self, module: nn.Module, label: str) -> None:
+    def _push(self, module: nn.Module, label: str, compiled: bool = False) -> None:
         stack = self._stack()
         if len(stack) == 1:  # entering the model (its root, or a submodule called alone)
             self._local.entered = next(_ticks)
-            self._local.compiled = label == "<root>" and _called_by_dynamo()
-            if not self._local.compiled:
+            self._local.compiled = compiled
+            if not compiled:
                 _ModeScope.enter()
         stack.append(_Frame(module, label))
 
@@ -240,22 +266,34 @@ class ScopeTracker:
 
         return enter, leave
 
+    def _enter_root(self, compiled: bool) -> None:
+        self._generation += 1
+        self._on_root_forward()
+        self._push(self._model, "<root>", compiled)
+
+    def _leave_root(self, output: object) -> None:
+        compiled = self.compiled()
+        self._pop(self._model)
+        if compiled:
+            self._on_compiled_return(output)
+
     def _root_enter(self):
         def enter_root(module: nn.Module, args: object) -> None:
-            self._generation += 1
-            self._on_root_forward()
-            self._push(module, "<root>")
+            self._enter_root(compiled=_called_by_dynamo())
 
         return _eager(enter_root)
 
     def _root_leave(self):
         def leave_root(module: nn.Module, args: object, output: object) -> None:
-            compiled = self.compiled()
-            self._pop(module)
-            if compiled:
-                self._on_compiled_return(output)
+            self._leave_root(output)
 
         return _eager(leave_root)
+
+    def _compiled_module_enter(self, module: nn.Module, args: object) -> None:
+        self._enter_root(compiled=True)
+
+    def _compiled_module_leave(self, module: nn.Module, args: object, output: object) -> None:
+        self._leave_root(output)
 
     def compiled(self) -> bool:
         """Whether the running forward of the model is a compiled one (on this thread)."""
