@@ -68,8 +68,9 @@ def test_region_inputs_and_recomputation(compress, monkeypatch):
         in_forward, forwards = list(packs), len(calls)
         loss.backward()
         ctl.step()
-    inputs = [key for key, region in in_forward if region]
-    assert len(inputs) == len(model.blocks)  # one input per region, nothing from inside
+    # one input per region, nothing from inside (torch 2.11 saves an empty tensor beside it)
+    inputs = [key for key, region in in_forward if region and math.prod(ctl.ledger.last[key].shape)]
+    assert len(inputs) == len(model.blocks)
     assert not any(key.startswith("blocks.") for key, _ in in_forward), in_forward
     kinds = {ctl.ledger.last[key].kind for key in inputs}
     assert kinds == ({Kind.QUANTIZED} if compress else {Kind.KEPT})

@@ -88,6 +88,23 @@ def test_trains_at_every_level(level: str, tmp_path: Path) -> None:
     assert "training_step" not in vars(trainer)  # the trainer's own method is back
 
 
+def test_a_compiled_model_compresses_inside_its_graphs(tmp_path: Path) -> None:
+    """``torch_compile=True``: the Trainer compiles the model after the callback made its
+    controller; the compiled graphs' saves are compressed (NOTE [Compiled saves] in
+    compiled.py) and the run trains as the eager one does."""
+    losses, ratios = {}, {}
+    for compile_ in (False, True):
+        torch._dynamo.reset()
+        callback = GactCallback(GactConfig.from_level("L1"))
+        options = dict(torch_compile=True, torch_compile_backend="aot_eager") if compile_ else {}
+        output = _trainer(tmp_path, [callback], max_steps=3, **options).train()
+        losses[compile_] = output.training_loss
+        ratios[compile_] = callback.controller.stats()["ratio"]
+        assert bool(callback.controller.hooks.compiled_sites) == compile_
+    assert ratios[True] > 0.9 * ratios[False] > 4
+    assert abs(losses[True] - losses[False]) < 0.02 * losses[False]
+
+
 def test_gradient_accumulation_is_one_gact_step_per_optimizer_step(tmp_path: Path) -> None:
     single = GactCallback(
         GactConfig.from_level("L2", adapt_interval=2, adapt_first_gap=0, adapt_budget=None)
