@@ -887,6 +887,37 @@ class _GatedMLP(nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
+class _WrittenSigmoid(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.out = nn.Linear(32, 64), nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return self.out(h / (1 + torch.exp(-h)))  # SiLU, as torch 2.11's inductor writes it
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_divisor_that_is_one_plus_an_exponential_is_compressed(backend: str) -> None:
+    """NOTE [Decisions from the backward graph] in compiled_sites.py: ``1 + exp(-h)`` is never
+    near 0, so a backward dividing by it, recomputed from the saved ``h``, reads ``h`` as
+    smoothly as a sigmoid's backward does: ``h`` is compressed (it was kept as "a divisor"),
+    and the gradient stays close to fp32's."""
+    torch.manual_seed(0)
+    model = _WrittenSigmoid()
+    x = torch.randn(64, 32)
+    run = torch.compile(model, backend=backend)
+    run(x).square().sum().backward()
+    reference = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with Controller(run, GactConfig.from_level("L1", min_numel=0)) as controller:
+        run(x).square().sum().backward()
+        controller.step()
+    sites = {site.key: site.keep for site in controller.hooks.compiled_sites.values()}
+    assert sites and not any(sites.values()), sites
+    assert relative_error([p.grad for p in model.parameters()], reference) < 0.2
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_compiled_gated_mlp_compresses_its_gate(backend: str) -> None:
     """The compiled backward recomputes ``silu(gate)`` from the saved gate for the up

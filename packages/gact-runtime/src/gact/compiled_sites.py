@@ -45,7 +45,9 @@ __all__ = ["VIEWS", "CompiledSite", "SaveReluOutputs", "add_kept", "kept_sites",
 #   BatchNorm + ReLU, a checkpointed block's ``relu(x @ w)``), a comparison with another tensor,
 #   a divisor (recomputed or not), a reciprocal and a use GACT does not know keep the tensor as
 #   it is: rounding it would make the decision on rounded values, biased, not noisy (the 26% of
-#   NOTE [Checkpointed regions] in saved.py). Per-row statistics (a trailing dimension of 1) are
+#   NOTE [Checkpointed regions] in saved.py), and a divisor near 0 turns rounding into unbounded
+#   error. A divisor ``exp(...) + c`` with ``c > 0`` is never near 0: ``1 / (1 + exp(-x))`` is
+#   a sigmoid, as torch 2.11's inductor decomposes SiLU, a smooth use. Per-row statistics (a trailing dimension of 1) are
 #   kept like eager code's; fused attention gives q and k their floor and keeps its log-sum-exp;
 #   a LayerNorm input read by its backward gets row groups.
 # ``report()`` lists every kept compiled save with its reason; an unknown use is warned once.
@@ -255,7 +257,11 @@ class CompiledSite:
             return cls(keep=None, **site)  # bool and integer tensors: packed losslessly
         if op_name(node) in _RECIPROCALS:
             return cls(keep="a reciprocal (divides in the backward)", **site)
-        uses = _uses(_placeholder(context["_bw_graph"], node.name))
+        placeholder = _placeholder(context["_bw_graph"], node.name)
+        uses = _uses(placeholder)
+        # the saved tensor itself, where it is an exponential (aot_eager saves exp(-h) of a
+        # written-out sigmoid): a divisor it plus a constant makes is never near 0
+        exp = placeholder if op_name(_aliased(node)) == "aten.exp" else None
         if _statistic(node) and not any(op_name(u) in _MATMULS for u, _, how in uses):
             return cls(keep="a per-row statistic", **site)  # not features pooled for a layer
         predicates: set[tuple[bool, float]] = set()
@@ -265,11 +271,13 @@ class CompiledSite:
             if op in _TOLERANT or use.op == "output":
                 continue
             if op == "aten.div":
-                if position == 1:
+                if position == 1 and not _at_least_a_constant(use.args[1], exp):
                     return cls(keep="a divisor", **site)
                 continue
             if op in _RECIPROCALS:
-                return cls(keep="a divisor", **site)
+                if not _at_least_a_constant(use.args[0], exp):
+                    return cls(keep="a divisor", **site)
+                continue
             predicate = _decision(use, position)
             if predicate is not None:
                 t = predicate[1]
@@ -370,6 +378,24 @@ def _placeholder(graph: torch.fx.Graph, name: str) -> torch.fx.Node:
         if node.name == name:
             return node
     raise GactError(f"saved node {name!r} not found among the compiled backward's inputs")
+
+
+def _at_least_a_constant(node: object, exp: torch.fx.Node | None) -> bool:
+    """Whether ``node`` is ``exp(...) + c`` with a constant ``c > 0``, which no rounding brings
+    near 0: a sigmoid written as ``1 / (1 + exp(-x))`` (torch 2.11's inductor decomposes SiLU
+    so), whose divisor is as smooth a use as ``aten.sigmoid`` (NOTE above). ``exp``: the
+    saved tensor's placeholder, where the saved tensor is itself an exponential."""
+    if not isinstance(node, torch.fx.Node) or op_name(node) != "aten.add" or node.kwargs:
+        return False
+    if len(node.args) != 2:
+        return False
+    a, b = node.args
+    term, constant = (a, b) if isinstance(b, (int, float)) else (b, a)
+    if not isinstance(constant, (int, float)) or not constant > 0:
+        return False
+    while isinstance(term, torch.fx.Node) and op_name(term) in VIEWS:
+        term = term.args[0]
+    return isinstance(term, torch.fx.Node) and (term is exp or op_name(term) == "aten.exp")
 
 
 # How a use reaches the saved tensor: directly (through views), through a ReLU of it, or
