@@ -40,10 +40,11 @@ __all__ = [
 # NOTE [Compiled saves]
 # A compiled backward used to unpack every saved tensor when it started (pytorch#148222), which
 # brings all activations back at once: compressing them lowered no peak. Since pytorch#150032
-# (in the torch 2.13 this project pins) AOTAutograd inlines saved-tensor hooks that are ``torch.fx.GraphModule`` s into the compiled
-# graphs (``maybe_inline_graph_saved_tensors_hooks``): it traces the pack hook on each saved
-# tensor it hands over (a fake tensor, with ``_get_saved_tensor_hook_context()`` naming the saved node
-# and both graphs) into the forward's epilogue, and the unpack hook into the backward's prologue.
+# (in torch 2.11 and in the 2.13 this project pins) AOTAutograd inlines saved-tensor hooks that
+# are ``torch.fx.GraphModule`` s into the compiled graphs
+# (``maybe_inline_graph_saved_tensors_hooks``): it traces the pack hook on each saved tensor it
+# hands over (a fake tensor, with ``_get_saved_tensor_hook_context()`` naming the saved node and
+# both graphs) into the forward's epilogue, and the unpack hook into the backward's prologue.
 # GACT's hooks are such modules (``SaveHookModule``; eager code calls them as plain functions).
 # Four design decisions, each chosen over an alternative:
 # - Handles, not payloads, cross the graph boundary. The traced pack hook emits one opaque

@@ -47,9 +47,10 @@ __all__ = ["VIEWS", "CompiledSite", "SaveReluOutputs", "add_kept", "kept_sites",
 #   it is: rounding it would make the decision on rounded values, biased, not noisy (the 26% of
 #   NOTE [Checkpointed regions] in saved.py), and a divisor near 0 turns rounding into unbounded
 #   error. A divisor ``exp(...) + c`` with ``c > 0`` is never near 0: ``1 / (1 + exp(-x))`` is
-#   a sigmoid, as torch 2.11's inductor decomposes SiLU, a smooth use. Per-row statistics (a trailing dimension of 1) are
-#   kept like eager code's; fused attention gives q and k their floor and keeps its log-sum-exp;
-#   a LayerNorm input read by its backward gets row groups.
+#   a sigmoid (torch 2.11's inductor writes SiLU's backward so), a smooth use. Per-row
+#   statistics (a trailing dimension of 1) are kept like eager code's; fused attention gives q
+#   and k their floor and keeps its log-sum-exp; a LayerNorm input read by its backward gets
+#   row groups.
 # ``report()`` lists every kept compiled save with its reason; an unknown use is warned once.
 
 
