@@ -57,11 +57,8 @@ def train(
     torch._dynamo.reset()
     torch.manual_seed(seed)
     work = workload(name, data)
-    if backend is not None and backend.endswith("/blocks"):
-        for block in work.blocks:
-            work.model.get_submodule(block).compile(backend=backend.removesuffix("/blocks"))
-    elif backend is not None:
-        work.model.compile(backend=backend)
+    if backend is not None:
+        work.compile(backend)
     config = None if level == "fp32" else GactConfig.from_level(level, seed=seed)
     ctl = None if config is None else Controller(work.model, config)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]

@@ -16,8 +16,9 @@ after the first step, and what GACT saved and stored per step. Allocators:
 
 Models: ``gact_examples.workloads.MODELS`` (GPT-2 and BERT from ``transformers`` configs, the
 ResNet-18 layout, the char-GPT and MNIST examples' memory configurations, on real data). With
-``--compile BACKEND`` each process compiles its model in place (``nn.Module.compile``) before the
-controller sees it; compile's own memory is then in every level's peak, the first step compiles.
+``--compile BACKEND`` each process compiles its model in place (``nn.Module.compile``; with
+``BACKEND/blocks`` each of its blocks alone) before the controller sees it; compile's own
+memory is then in every level's peak, the first step compiles.
 
     python examples/memory_bench.py --data ../shared/data --json memory_bench.json \\
         --plot plots/memory_bench.png
@@ -72,7 +73,7 @@ def worker(
     torch.manual_seed(0)
     work = workload(model_name, data)
     if backend is not None:
-        work.model.compile(backend=backend)
+        work.compile(backend)
     controller = Controller(work.model, GactConfig.from_level(level))
     baseline = status_bytes("VmRSS")
     times = []
@@ -212,7 +213,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--allocators", default="default,glibc-tuned,tcmalloc")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--compile", default=None, help="torch.compile backend (inductor, aot_eager)")
+    p.add_argument(
+        "--compile",
+        default=None,
+        help="torch.compile backend (inductor, aot_eager; BACKEND/blocks: block by block)",
+    )
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
     p.add_argument("--worker", nargs=2, metavar=("MODEL", "LEVEL"), help=argparse.SUPPRESS)

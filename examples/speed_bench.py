@@ -7,7 +7,8 @@ steps of every level in turn (the order rotates between rounds), so that a slow 
 shared machine hits every level alike. A level's ratio is its median step time over fp32's
 median *in the same round*; the table shows the median ratio over rounds and the worst one.
 With ``--compile BACKEND`` every copy, fp32's included, is compiled in place
-(``nn.Module.compile``; the first round's first step compiles and is not timed). With
+(``nn.Module.compile``, or block by block with ``BACKEND/blocks``; the first round's first
+step compiles and is not timed). With
 ``--device cuda`` every step is timed between two synchronisations, and each level's memory is
 also reported: the CUDA allocator's peak during its steps above what was allocated before them
 (every copy's weights and optimizer state are already there, so this is the step's own memory:
@@ -56,7 +57,7 @@ def measure(
         torch.manual_seed(0)
         work = workload(name, data, device)
         if backend is not None:
-            work.model.compile(backend=backend)
+            work.compile(backend)
         ctl = None if level == "fp32" else Controller(work.model, GactConfig.from_level(level))
         runs[level] = (work, ctl)
     times: dict[str, list[list[float]]] = {level: [] for level in levels}

@@ -338,15 +338,17 @@ def test_memory_bench(data_root, tmp_path, script):
     assert "| default | char-gpt (" in text and "x less" in text
 
 
-def test_memory_bench_compiled(data_root, script):
-    """memory_bench.py --compile: the model is compiled in its process, and the compiled graphs'
-    saves are compressed (stored a fraction of saved, as in eager)."""
+@pytest.mark.parametrize("backend", ["aot_eager", "aot_eager/blocks"])
+def test_memory_bench_compiled(data_root, script, backend):
+    """memory_bench.py --compile: the model is compiled in its process (whole, or block by
+    block), and the compiled graphs' saves are compressed (stored a fraction of saved, as in
+    eager)."""
     argv = ["--data", str(data_root), "--models", "mnist", "--levels", "L1"]
     records = script("memory_bench.py").main(
-        [*argv, "--allocators", "default", "--steps", "2", "--compile", "aot_eager"]
+        [*argv, "--allocators", "default", "--steps", "2", "--compile", backend]
     )
     (rec,) = records
-    assert rec["compile"] == "aot_eager" and rec["peak_growth_bytes"] > 0
+    assert rec["compile"] == backend and rec["peak_growth_bytes"] > 0
     assert 0 < rec["stored_bytes"] < rec["saved_bytes"] / 4
 
 

@@ -50,6 +50,16 @@ class Workload:
     evaluate: Callable[[], dict[str, float]]
     blocks: tuple[str, ...]
 
+    def compile(self, backend: str) -> None:
+        """Compile the model in place (``nn.Module.compile``) with ``backend``, or, for
+        ``BACKEND/blocks``, each of ``blocks`` alone, as large models are compiled block by
+        block."""
+        if backend.endswith("/blocks"):
+            for block in self.blocks:
+                self.model.get_submodule(block).compile(backend=backend.removesuffix("/blocks"))
+        else:
+            self.model.compile(backend=backend)
+
 
 def workload(name: str, data: str, device: torch.device | str = "cpu") -> Workload:
     """The workload ``name`` (one of ``MODELS``) on the datasets under ``data``, trained on
