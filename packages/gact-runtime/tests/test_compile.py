@@ -304,6 +304,49 @@ def test_adaptation_never_recompiles() -> None:
     assert controller.stats()["adaptations"] >= 2
     assert len(seen) > 1  # the compiled sites' widths did change
     assert counters["stats"]["unique_graphs"] == graphs
+    assert controller.stats()["compiled_graphs"] == 1
+
+
+class _TanhMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+@pytest.mark.parametrize(
+    "spelling", ["Controller(torch.compile(model))", "model.compile()", "after"]
+)
+def test_stats_count_the_graphs_compiled_with_gacts_hooks(spelling: str) -> None:
+    """``stats()["compiled_graphs"]``: one graph for a model compiled before the controller
+    sees it, however many install cycles; a model compiled after ``install_hook()`` (here a
+    class of its own: it compiles on any torch) recompiles at each cycle, as the README says,
+    and the count shows it."""
+    torch.manual_seed(0)
+    model = _TanhMLP()
+    config = GactConfig.from_level("L1", min_numel=0)
+    run: nn.Module | None = None
+    if spelling == "Controller(torch.compile(model))":
+        run = torch.compile(model, backend="aot_eager")
+        controller = Controller(run, config)
+    else:
+        if spelling == "model.compile()":
+            model.compile(backend="aot_eager")
+            run = model
+        controller = Controller(model, config)
+    counts = []
+    for _ in range(3):
+        with controller:
+            if run is None:
+                run = torch.compile(model, backend="aot_eager")
+            for _ in range(2):
+                run(torch.randn(8, 16)).sum().backward()
+                controller.step()
+        counts.append(controller.stats()["compiled_graphs"])
+    assert counts == ([1, 2, 3] if spelling == "after" else [1, 1, 1])
+    assert controller.stats()["compressed_tensors"] > 0
 
 
 @pytest.mark.parametrize(

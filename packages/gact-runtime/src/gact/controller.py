@@ -609,9 +609,13 @@ class Controller:
             ``outside_tensors`` (saved outside the model's forward, kept), ``parameter_saves``,
             ``deduplicated_saves``, ``decision_mask_bytes``, ``average_bits`` (code bits per
             quantized element), ``sites``, ``level``, ``memory_budget`` (bytes, or ``None``),
-            ``step``, ``adaptations`` and
+            ``step``, ``adaptations``,
             ``adaptation_overhead``: seconds spent adapting divided by all other seconds between
-            step boundaries (0.05: adapting made training 5% slower).
+            step boundaries (0.05: adapting made training 5% slower), and
+            ``compiled_graphs``: the forward graphs ``torch.compile`` traced GACT's hooks into so
+            far, recompilations included (adapting never recompiles: a count that grows while
+            training runs means something else makes dynamo recompile, such as installing the
+            hooks again on a model compiled after ``install_hook()``).
         """
         out = self.ledger.stats()
         training = self._trained_seconds()
@@ -621,6 +625,7 @@ class Controller:
             step=self.plan.step,
             adaptations=self.adapter.count,
             adaptation_overhead=self.adapter.seconds / training if training > 0 else 0.0,
+            compiled_graphs=len(self.hooks.compiled_graphs),
         )
         return out
 

@@ -521,6 +521,7 @@ class SaveHooks:
             compiled.SaveHookModule(self.unpack, compiled.unpack_on_thread),
         )
         self.compiled_sites: dict[str, CompiledSite] = {}  # key -> last traced site
+        self.compiled_graphs: set[int] = set()  # forward graphs traced with these hooks
         self._graphs_counted: set[tuple[int, int]] = set()  # (graph, forward) in the ledger
         self._warned_missed: set[str] = set()
         # (what, key) -> (bits, plan step, verdict) of the last judgment whether a derivative
@@ -594,6 +595,7 @@ class SaveHooks:
     def traced(self, site: CompiledSite) -> None:
         """A compiled graph's save was traced with ``site``'s decision."""
         self.compiled_sites[site.key] = site
+        self.compiled_graphs.add(site.graph)
         if site.unknown_use:
             self.on_unknown_use(site)
 
