@@ -388,23 +388,37 @@ class _Wrapped(nn.Module):
         return self.inner(x)
 
 
+@pytest.mark.parametrize("spelling", ["Controller(torch.compile(model))", "torch.compile after"])
 @pytest.mark.parametrize("root", ["nn.Sequential", "a model class of its own"])
-def test_a_compiled_module_given_to_the_controller_runs_without_graph_breaks(root: str) -> None:
-    """NOTE [Compiled forwards] in scope.py: ``Controller(torch.compile(model))`` enters the
-    model's scope in hooks of the compiled module, outside dynamo's frames. The model's own root
-    hooks, which dynamo inlines for a torch.nn container (``nn.Sequential``), broke its graph
-    before and after the forward, and a torch without nested graph-break resumption (2.11)
-    then ran the whole forward eagerly: nothing was compressed."""
+def test_a_compiled_module_runs_without_graph_breaks(root: str, spelling: str) -> None:
+    """NOTE [Compiled forwards] in scope.py: a call of the module ``torch.compile(model)``
+    returned enters the model's scope outside dynamo's frames, in that module's hooks (given
+    to the controller) or in a global pre-hook (compiled after ``install_hook()``), and the
+    model's own root hooks then do nothing that dynamo cannot trace. Those hooks, which dynamo
+    inlines for a torch.nn container (``nn.Sequential``), broke its graph before and after the
+    forward, and a torch without nested graph-break resumption (2.11) then ran the whole forward
+    eagerly: nothing was compressed."""
     model = _pooling_cnn()
     if root != "nn.Sequential":
         model = _Wrapped(model)
-    run = torch.compile(model, backend="aot_eager")
     counters = torch._dynamo.utils.counters
     counters.clear()
-    with Controller(run, GactConfig.from_level("L1", min_numel=0)) as controller:
-        for _ in range(2):
-            run(torch.randn(16, 1, 16, 16)).square().sum().backward()
-            controller.step()
+    if spelling.startswith("Controller"):
+        run = torch.compile(model, backend="aot_eager")
+        controller = Controller(run, GactConfig.from_level("L1", min_numel=0))
+        controller.install_hook()
+    else:
+        controller = Controller(model, GactConfig.from_level("L1", min_numel=0))
+        controller.install_hook()
+        run = torch.compile(model, backend="aot_eager")
+    try:
+        with warnings.catch_warnings():  # torch's, about global hooks and torch.compile(module)
+            warnings.simplefilter("ignore", UserWarning)
+            for _ in range(2):
+                run(torch.randn(16, 1, 16, 16)).square().sum().backward()
+                controller.step()
+    finally:
+        controller.uninstall_hook()
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 1
     assert controller.stats()["ratio"] > 2

@@ -337,10 +337,11 @@ class Controller:
                 "none of its compiled graphs has saved a tensor through GACT's hooks: GACT keeps "
                 "these saves as they are, so compiling saves no activation memory here. If this "
                 f"torch ({torch.__version__}) cannot resume a graph break inside a module's call "
-                "(2.11 cannot, 2.13 can), it runs a torch.nn container's compiled forward "
-                "eagerly once GACT's hooks on its root break the graph: give the controller the "
-                "compiled module, Controller(torch.compile(model)), whose hooks run outside the "
-                "compiled frames, or use torch 2.13 or later",
+                "(2.11 cannot, 2.13 can), it runs a compiled forward eagerly once GACT's hooks "
+                "on the model's root break the graph, as they do where no module returned by "
+                "torch.compile(model) wraps the model (model.compile() of a torch.nn container, "
+                "or a compiled function that calls the model): compile the model with "
+                "torch.compile(model) and call what it returns, or use torch 2.13 or later",
             )
             return
         self._warn_once(

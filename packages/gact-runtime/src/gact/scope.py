@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 from torch import nn
-from torch.nn.modules.module import register_module_forward_hook
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
@@ -55,12 +55,18 @@ _ticks = itertools.count(1)
 #   then runs the whole forward eagerly, and nothing was compressed. With a model class of the
 #   user's own, ``torch.compile`` runs the model's hooks outside its frames anyway. A call of
 #   the uncompiled model itself is then outside the controlled forward: its saves are kept.
-# - For a model compiled in place (``model.compile()``) or one compiled after the hooks were
-#   installed, the tracker cannot see the compiled entry point: the root gets the
-#   ``torch._dynamo.disable``-d hooks, which notice that dynamo is running the forward
-#   (``_called_by_dynamo``). torch 2.13 resumes the graph after them; 2.11 runs a container's
-#   forward eagerly there (``Controller._on_compiled`` warns and says to pass the compiled
-#   module instead).
+# - Otherwise a global forward pre-hook notices a call of any module whose ``_orig_mod`` is
+#   the model (``torch.compile(model)`` made after the hooks were installed, or without the
+#   controller seeing it) and enters the scope there, before dynamo's frame, setting
+#   ``_in_wrapper``; the model's root hooks then return at once, a flag read that dynamo traces
+#   and guards on, with no graph break. Before, the compiled forward of an ``nn.Sequential``
+#   compiled after ``install_hook()`` ran eagerly on torch 2.11, every save kept.
+# - Where no compiled module wraps the model (``model.compile()``, which compiles
+#   ``_call_impl`` and so runs the root's hooks in a frame dynamo skips, or a compiled function
+#   that calls the model), the root's hooks enter through a ``torch._dynamo.disable``-d call,
+#   which notices that dynamo is running the forward (``_called_by_dynamo``). Inside a traced
+#   frame that breaks the graph: torch 2.13 resumes after it, 2.11 runs the forward eagerly
+#   (``Controller._on_compiled`` warns and says to pass the compiled module instead).
 # The hooks of submodules do nothing while dynamo traces, so they leave no side effects in the
 # graph. A model known to be compiled when the hooks are installed gets no submodule hooks: they
 # would do nothing, and dynamo guards on them, so registering them anew at every
@@ -163,6 +169,8 @@ class ScopeTracker:
         self._handles: list[RemovableHandle] = []
         self._labels: dict[int, str] = {}  # id(submodule) -> its name (NOTE below)
         self._generation = 0  # bumped at every root forward
+        # a call of the module torch.compile(model) returned is running (NOTE [Compiled forwards])
+        self._in_wrapper = False
 
     def _stack(self) -> list[_Frame]:
         local = self._local
@@ -220,7 +228,8 @@ class ScopeTracker:
             else:
                 self._labels[id(module)] = name
                 self._handles.append(module.register_forward_pre_hook(enter))
-        if self._labels:
+        if compiled is None:
+            self._handles.append(register_module_forward_pre_hook(self._wrapper_enter))
             self._handles.append(register_module_forward_hook(leave, always_call=True))
 
     def detach(self) -> None:
@@ -260,11 +269,22 @@ class ScopeTracker:
             self._push(module, labels[id(module)])
 
         def leave(module: nn.Module, args: object, output: object) -> None:
-            if torch.compiler.is_compiling() or id(module) not in labels:
-                return  # traced by dynamo, or not this model's
-            self._pop(module)
+            if torch.compiler.is_compiling():
+                return  # traced by dynamo
+            if id(module) in labels:
+                self._pop(module)
+            elif self._in_wrapper and module._modules.get("_orig_mod") is self._model:
+                self._in_wrapper = False  # the compiled module's call ends
+                self._leave_root(output)
 
         return enter, leave
+
+    def _wrapper_enter(self, module: nn.Module, args: object) -> None:
+        """Global pre-hook: the module ``torch.compile(model)`` returned is called, outside
+        dynamo's frames (NOTE [Compiled forwards])."""
+        if module._modules.get("_orig_mod") is self._model and not torch.compiler.is_compiling():
+            self._in_wrapper = True
+            self._enter_root(compiled=True)
 
     def _enter_root(self, compiled: bool) -> None:
         self._generation += 1
@@ -278,16 +298,24 @@ class ScopeTracker:
             self._on_compiled_return(output)
 
     def _root_enter(self):
-        def enter_root(module: nn.Module, args: object) -> None:
-            self._enter_root(compiled=_called_by_dynamo())
+        eager = _eager(lambda module, args: self._enter_root(compiled=_called_by_dynamo()))
 
-        return _eager(enter_root)
+        def enter_root(module: nn.Module, args: object) -> None:
+            if self._in_wrapper:  # traced by dynamo: a guard on the flag, no graph break
+                return
+            eager(module, args)
+
+        return enter_root
 
     def _root_leave(self):
-        def leave_root(module: nn.Module, args: object, output: object) -> None:
-            self._leave_root(output)
+        eager = _eager(lambda module, args, output: self._leave_root(output))
 
-        return _eager(leave_root)
+        def leave_root(module: nn.Module, args: object, output: object) -> None:
+            if self._in_wrapper:
+                return
+            eager(module, args, output)
+
+        return leave_root
 
     def _compiled_module_enter(self, module: nn.Module, args: object) -> None:
         self._enter_root(compiled=True)
