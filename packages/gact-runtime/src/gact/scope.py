@@ -239,6 +239,7 @@ class ScopeTracker:
         self._handles.clear()
         self._labels.clear()
         self._local = threading.local()
+        self._in_wrapper = False
 
     def _push(self, module: nn.Module, label: str, compiled: bool = False) -> None:
         stack = self._stack()
