@@ -403,14 +403,10 @@ def test_a_compiled_module_runs_without_graph_breaks(root: str, spelling: str) -
         model = _Wrapped(model)
     counters = torch._dynamo.utils.counters
     counters.clear()
-    if spelling.startswith("Controller"):
-        run = torch.compile(model, backend="aot_eager")
-        controller = Controller(run, GactConfig.from_level("L1", min_numel=0))
-        controller.install_hook()
-    else:
-        controller = Controller(model, GactConfig.from_level("L1", min_numel=0))
-        controller.install_hook()
-        run = torch.compile(model, backend="aot_eager")
+    given = spelling.startswith("Controller")
+    run = torch.compile(model, backend="aot_eager")  # compiles at its first call, after install
+    controller = Controller(run if given else model, GactConfig.from_level("L1", min_numel=0))
+    controller.install_hook()
     try:
         with warnings.catch_warnings():  # torch's, about global hooks and torch.compile(module)
             warnings.simplefilter("ignore", UserWarning)

@@ -58,7 +58,7 @@ _ticks = itertools.count(1)
 # - Otherwise a global forward pre-hook notices a call of any module whose ``_orig_mod`` is
 #   the model (``torch.compile(model)`` made after the hooks were installed, or without the
 #   controller seeing it) and enters the scope there, before dynamo's frame, setting
-#   ``_in_wrapper``; the model's root hooks then return at once, a flag read that dynamo traces
+#   ``_in_compiled_module``; the model's root hooks then return at once, a flag read that dynamo traces
 #   and guards on, with no graph break. Before, the compiled forward of an ``nn.Sequential``
 #   compiled after ``install_hook()`` ran eagerly on torch 2.11, every save kept.
 # - Where no compiled module wraps the model (``model.compile()``, which compiles
@@ -170,7 +170,7 @@ class ScopeTracker:
         self._labels: dict[int, str] = {}  # id(submodule) -> its name (NOTE below)
         self._generation = 0  # bumped at every root forward
         # a call of the module torch.compile(model) returned is running (NOTE [Compiled forwards])
-        self._in_wrapper = False
+        self._in_compiled_module = False
 
     def _stack(self) -> list[_Frame]:
         local = self._local
@@ -229,7 +229,7 @@ class ScopeTracker:
                 self._labels[id(module)] = name
                 self._handles.append(module.register_forward_pre_hook(enter))
         if compiled is None:
-            self._handles.append(register_module_forward_pre_hook(self._wrapper_enter))
+            self._handles.append(register_module_forward_pre_hook(self._global_enter))
             self._handles.append(register_module_forward_hook(leave, always_call=True))
 
     def detach(self) -> None:
@@ -239,7 +239,7 @@ class ScopeTracker:
         self._handles.clear()
         self._labels.clear()
         self._local = threading.local()
-        self._in_wrapper = False
+        self._in_compiled_module = False
 
     def _push(self, module: nn.Module, label: str, compiled: bool = False) -> None:
         stack = self._stack()
@@ -274,18 +274,16 @@ class ScopeTracker:
                 return  # traced by dynamo
             if id(module) in labels:
                 self._pop(module)
-            elif self._in_wrapper and module._modules.get("_orig_mod") is self._model:
-                self._in_wrapper = False  # the compiled module's call ends
-                self._leave_root(output)
+            elif self._in_compiled_module and module._modules.get("_orig_mod") is self._model:
+                self._compiled_module_leave(module, args, output)
 
         return enter, leave
 
-    def _wrapper_enter(self, module: nn.Module, args: object) -> None:
+    def _global_enter(self, module: nn.Module, args: object) -> None:
         """Global pre-hook: the module ``torch.compile(model)`` returned is called, outside
         dynamo's frames (NOTE [Compiled forwards])."""
         if module._modules.get("_orig_mod") is self._model and not torch.compiler.is_compiling():
-            self._in_wrapper = True
-            self._enter_root(compiled=True)
+            self._compiled_module_enter(module, args)
 
     def _enter_root(self, compiled: bool) -> None:
         self._generation += 1
@@ -302,7 +300,7 @@ class ScopeTracker:
         eager = _eager(lambda module, args: self._enter_root(compiled=_called_by_dynamo()))
 
         def enter_root(module: nn.Module, args: object) -> None:
-            if self._in_wrapper:  # traced by dynamo: a guard on the flag, no graph break
+            if self._in_compiled_module:  # traced by dynamo: a guard on the flag, no graph break
                 return
             eager(module, args)
 
@@ -312,16 +310,20 @@ class ScopeTracker:
         eager = _eager(lambda module, args, output: self._leave_root(output))
 
         def leave_root(module: nn.Module, args: object, output: object) -> None:
-            if self._in_wrapper:
+            if self._in_compiled_module:
                 return
             eager(module, args, output)
 
         return leave_root
 
     def _compiled_module_enter(self, module: nn.Module, args: object) -> None:
+        """A call of the module ``torch.compile(model)`` returned starts (its own hook, or the
+        global one): the model's scope is entered outside dynamo's frames."""
+        self._in_compiled_module = True
         self._enter_root(compiled=True)
 
     def _compiled_module_leave(self, module: nn.Module, args: object, output: object) -> None:
+        self._in_compiled_module = False
         self._leave_root(output)
 
     def compiled(self) -> bool:
