@@ -107,6 +107,7 @@ def train(
         record.update(
             ratio=st["ratio"],
             adaptations=st["adaptations"],
+            compile_s=st["compile_seconds"],
             compiled_compressed=sum(s.keep is None for s in sites),
             compiled_kept=sorted(f"{s.key}: {s.keep}" for s in sites if s.keep is not None),
         )
@@ -125,8 +126,9 @@ def _tail_means(records: list[dict[str, Any]], tail: int) -> dict[tuple, float]:
 def table(records: list[dict[str, Any]], tail: int = 20) -> str:
     lines = [
         f"| model | run | seed | loss, last {tail} steps | vs eager | held-out loss | live peak | "
-        "fp32 / run | stored ratio | compiled sites stored / kept | graphs | step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "fp32 / run | stored ratio | compiled sites stored / kept | graphs | step | first step "
+        "(GACT's compilations) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     eager = _tail_means(records, tail)
     fp32 = {
@@ -142,6 +144,7 @@ def table(records: list[dict[str, Any]], tail: int = 20) -> str:
         shown = "-" if peak is None else f"{peak / (1 << 20):.0f} MiB"
         against = "-" if peak is None or base is None else f"{base / peak:.2f}x"
         ratio = f"{r['ratio']:.2f}x" if "ratio" in r else "-"
+        compiling = f" ({r['compile_s']:.1f} s)" if r.get("compile_s") else ""
         sites = (
             f"{r['compiled_compressed']} / {len(r['compiled_kept'])}"
             if r["backend"] and "compiled_kept" in r
@@ -150,7 +153,7 @@ def table(records: list[dict[str, Any]], tail: int = 20) -> str:
         lines.append(
             f"| {r['model']} | {r['run']} | {r['seed']} | {mean:.4f} | {versus} | "
             f"{r['heldout_loss']:.4f} | {shown} | {against} | {ratio} | {sites} | {r['graphs']} | "
-            f"{1e3 * r['step_s']:.0f} ms |"
+            f"{1e3 * r['step_s']:.0f} ms | {r['first_step_s']:.1f} s{compiling} |"
         )
     return "\n".join(lines)
 

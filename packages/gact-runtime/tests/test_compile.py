@@ -8,6 +8,7 @@ import contextlib
 import gc
 import math
 import re
+import time
 import warnings
 import weakref
 from collections.abc import Callable
@@ -347,6 +348,61 @@ def test_stats_count_the_graphs_compiled_with_gacts_hooks(spelling: str) -> None
         counts.append(controller.stats()["compiled_graphs"])
     assert counts == ([1, 2, 3] if spelling == "after" else [1, 1, 1])
     assert controller.stats()["compressed_tensors"] > 0
+
+
+def _sleepy_backend(seconds: float, calls: list[str]) -> Any:
+    """aot_eager whose forward and backward compilers each take ``seconds`` longer."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    def compiler(name: str) -> Callable[..., Any]:
+        def compile_(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+            time.sleep(seconds)
+            calls.append(name)
+            return gm
+
+        return compile_
+
+    return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))
+
+
+def test_compile_time_is_counted_and_left_out_of_the_time_adapting_is_a_share_of() -> None:
+    """``stats()["compile_seconds"]``: the compilations of graphs GACT's hooks were traced into,
+    the backward compiled at its first run included; nothing for steps that compile nothing or
+    for compiled code that saves nothing under GACT. The training time the adaptation budget is
+    a share of leaves it out (NOTE [Compile time] in compiled.py)."""
+    torch.manual_seed(0)
+    calls: list[str] = []
+    run = torch.compile(_TanhMLP(), backend=_sleepy_backend(0.4, calls))
+    config = GactConfig.from_level("L2", min_numel=0, adapt_first_gap=1, adapt_budget=None)
+    controller = Controller(run, config)
+    x = torch.randn(8, 16)
+
+    def closure() -> torch.Tensor:
+        loss = run(x).square().mean()
+        loss.backward()
+        return loss
+
+    with controller:
+        controller.iterate(closure)
+        first = controller.stats()["compile_seconds"]
+        for _ in range(3):
+            controller.iterate(closure)
+        doubled = torch.compile(lambda t: t * 2, backend=_sleepy_backend(0.4, calls))
+        with torch.no_grad():
+            doubled(x)  # compiled under the hooks, but not a graph they were traced into
+        controller.iterate(closure)
+        unchanged = controller.stats()["compile_seconds"]
+        torch._dynamo.reset()  # drops dynamo's callbacks too: the clock registers again
+        controller.iterate(closure)
+    stats = controller.stats()
+    assert calls == ["forward", "backward", "forward", "forward", "backward"]
+    assert first >= 0.8  # the model's forward and backward compilations
+    assert unchanged == first
+    assert stats["compile_seconds"] >= first + 0.8
+    assert stats["adaptations"] >= 2
+    # the time adapting is a share of: the steps of an MLP of 16 x 32 x 4, not the compilations
+    trained = controller.adapter.seconds / stats["adaptation_overhead"]
+    assert trained < 0.8
 
 
 @pytest.mark.parametrize(

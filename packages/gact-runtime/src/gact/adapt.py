@@ -159,6 +159,8 @@ class Adapter:
         self._hooks = hooks
         self.count = 0
         self.seconds = 0.0  # spent adapting, all adaptations together
+        # of which compiling (NOTE [Compile time] in compiled.py)
+        self.compile_seconds = 0.0
         self.last_seconds = 0.0  # the last adaptation's cost: predicts the next one's
         self.last_step: int | None = None  # the last adaptation that probed what it needed
         self.last_adapted: int | None = None  # the last one of any kind, held ones included
@@ -199,7 +201,7 @@ class Adapter:
         items = Items.of(sites, cfg.overhead_bits, plan.two_valued)
         if not items.keys:
             return False
-        start = time.perf_counter()
+        start, compiling = time.perf_counter(), self._hooks.compile_clock.seconds
         found = self.estimate(items, closure, run_closure, meter)
         if found is None:
             return False
@@ -229,6 +231,7 @@ class Adapter:
         self.last_held = int(held.size)
         spent = time.perf_counter() - start
         self.seconds += spent  # the meter's own time is counted by the controller
+        self.compile_seconds += self._hooks.compile_clock.seconds - compiling
         cost = spent + (meter.seconds if meter is not None else 0.0)
         self.last_adapted = plan.step
         if not (held.size and probes_later):  # NOTE [Held tensors]: their probes stay due

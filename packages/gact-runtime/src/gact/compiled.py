@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "COMPILED_NODE",
+    "CompileClock",
     "CompileSettings",
     "SaveHookModule",
     "never_compiled",
@@ -359,6 +361,72 @@ class CompileSettings:
                 if cls._relu_pass is not None and inductor.joint_custom_pre_pass is cls._relu_pass:
                     inductor.joint_custom_pre_pass = None
                 cls._filtering, cls._relu_pass = False, None
+
+
+# NOTE [Compile time]
+# Dynamo calls its compilation callbacks at the start and the end of each outermost compilation:
+# a frame's (trigger ``DYNAMO``, which traces GACT's hooks into the forward graph) and, at the
+# first backward, that frame's backward, compiled lazily under the forward's compile id
+# (``LAZY_BACKWARD``). A frame's compilation is a controller's when its hooks were traced into
+# it (``SaveHooks.compiled_graphs`` grew meanwhile), and so is the backward compiled for it;
+# other compilations while the hooks are installed (code that saves nothing under them) are
+# not. ``stats()["compile_seconds"]`` reports their wall time. The training time that the
+# adaptation budget is a share of leaves out what was compiled outside adaptations: a one-off
+# compilation is no step's cost, and counted as one it let the first adaptations spend 5% of it
+# and predicted each probe to cost as much as the first, compiling step. A compilation during
+# an adaptation (a probe's sub-batch of a new shape) is that adaptation's cost and stays in it.
+# ``torch._dynamo.reset()`` drops every callback, so the clock registers again at each root
+# forward that finds it missing (a list lookup). Where torch has no such callbacks the clock
+# stays at 0. AOTAutograd's own cache never serves a graph GACT's hooks are traced into (their
+# subgraph calls a Python function it cannot hash), and must not: a hit would skip the tracing
+# that registers the graph's sites. Inductor's cache still serves the generated code where the
+# traced graph, site numbers included, is the same as in an earlier process.
+class CompileClock:
+    """Wall time of the compilations ``hooks`` were traced into (NOTE [Compile time]).
+
+    Args:
+        graphs: the forward graphs the hooks were traced into so far
+            (``SaveHooks.compiled_graphs``).
+    """
+
+    def __init__(self, graphs: Collection[int]) -> None:
+        self.seconds = 0.0
+        self._graphs = graphs
+        self._started: tuple[float, int] | None = None
+        self._ids: set[str] = set()  # compile ids of the frames the hooks were traced into
+
+    @staticmethod
+    def _handler() -> Any:
+        return getattr(getattr(torch._dynamo, "callback", None), "callback_handler", None)
+
+    def start(self) -> None:
+        """Time compilations from now on (again after ``torch._dynamo.reset()``)."""
+        handler = self._handler()
+        if handler is not None and self._on_start not in handler.start_callbacks:
+            handler.register_start_callback(self._on_start)
+            handler.register_end_callback(self._on_end)
+
+    def stop(self) -> None:
+        """Stop timing compilations."""
+        handler = self._handler()
+        if handler is not None and self._on_start in handler.start_callbacks:
+            handler.remove_start_callback(self._on_start)
+            handler.remove_end_callback(self._on_end)
+        self._started = None
+
+    def _on_start(self, args: Any) -> None:
+        self._started = (time.perf_counter(), len(self._graphs))
+
+    def _on_end(self, args: Any) -> None:
+        if self._started is None:
+            return
+        (began, graphs), self._started = self._started, None
+        trigger = args.callback_trigger.name
+        if trigger == "DYNAMO" and len(self._graphs) > graphs:
+            self._ids.add(args.compile_id)
+        elif trigger != "LAZY_BACKWARD" or args.compile_id not in self._ids:
+            return
+        self.seconds += time.perf_counter() - began
 
 
 def pack_on_thread(tensor: torch.Tensor) -> Any:

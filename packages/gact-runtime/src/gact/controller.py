@@ -217,6 +217,7 @@ class Controller:
         self._ever_installed = True
         installed_hooks().append(self.hooks)
         _INSTALLED.add(self)
+        self.hooks.compile_clock.start()
         if self.hooks.meter is not None:  # the open step's meter measures while hooks are on
             self.hooks.meter.start()
 
@@ -241,6 +242,7 @@ class Controller:
         installed_hooks().remove(self.hooks)
         _INSTALLED.discard(self)
         self.tracker.detach()
+        self.hooks.compile_clock.stop()
         if self.hooks.meter is not None:  # measuring is global: other models would publish
             self.hooks.meter.stop()
 
@@ -278,6 +280,8 @@ class Controller:
     def _on_root_forward(self) -> None:
         self.parameter_filter.refresh()  # follows model.to(...)
         self.hooks.forward_started()
+        if self.installed:
+            self.hooks.compile_clock.start()  # again after torch._dynamo.reset()
         if (
             self.installed
             and torch.is_grad_enabled()
@@ -442,8 +446,10 @@ class Controller:
         )
 
     def _trained_seconds(self) -> float:
-        """Seconds between step boundaries spent on anything but adapting."""
-        return self._step_seconds - self.adapter.seconds
+        """Seconds between step boundaries spent on anything but adapting and compiling (NOTE
+        [Compile time] in compiled.py)."""
+        compiling = self.hooks.compile_clock.seconds - self.adapter.compile_seconds
+        return self._step_seconds - self.adapter.seconds - compiling
 
     def _scheduled(self) -> bool:
         """Whether the schedule alone makes the open step an adaptation's (the time budget
@@ -612,11 +618,13 @@ class Controller:
             quantized element), ``sites``, ``level``, ``memory_budget`` (bytes, or ``None``),
             ``step``, ``adaptations``,
             ``adaptation_overhead``: seconds spent adapting divided by all other seconds between
-            step boundaries (0.05: adapting made training 5% slower), and
+            step boundaries but those compiling (0.05: adapting made training 5% slower),
             ``compiled_graphs``: the forward graphs ``torch.compile`` traced GACT's hooks into so
             far, recompilations included (adapting never recompiles: a count that grows while
             training runs means something else makes dynamo recompile, such as installing the
-            hooks again on a model compiled after ``install_hook()``).
+            hooks again on a model compiled after ``install_hook()``), and
+            ``compile_seconds``: the wall time of those graphs' compilations, their backwards'
+            included (NOTE [Compile time] in compiled.py).
         """
         out = self.ledger.stats()
         training = self._trained_seconds()
@@ -627,6 +635,7 @@ class Controller:
             adaptations=self.adapter.count,
             adaptation_overhead=self.adapter.seconds / training if training > 0 else 0.0,
             compiled_graphs=len(self.hooks.compiled_graphs),
+            compile_seconds=self.hooks.compile_clock.seconds,
         )
         return out
 

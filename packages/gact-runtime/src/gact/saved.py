@@ -522,6 +522,7 @@ class SaveHooks:
         )
         self.compiled_sites: dict[str, CompiledSite] = {}  # key -> last traced site
         self.compiled_graphs: set[int] = set()  # forward graphs traced with these hooks
+        self.compile_clock = compiled.CompileClock(self.compiled_graphs)  # NOTE [Compile time]
         self._graphs_counted: set[tuple[int, int]] = set()  # (graph, forward) in the ledger
         self._warned_missed: set[str] = set()
         # (what, key) -> (bits, plan step, verdict) of the last judgment whether a derivative
