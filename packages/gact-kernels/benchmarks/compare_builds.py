@@ -3,9 +3,9 @@
 Loads a baseline build's ``_cpu`` module (for example one built from an earlier commit with
 ``pip wheel --no-deps packages/gact-kernels`` and unzipped) beside the installed one, checks
 that both write the same codes, minima, steps and dequantized values, and times the raw
-channel-run kernels on the feature maps of ``bench_kernels.py`` in alternation (median of
-``--calls`` calls per round, mean over ``--rounds`` rounds), each map in the layout the
-wrapper would read in place.
+channel-run kernels on the feature maps of ``bench_kernels.py``, the calls of both builds
+interleaved (median over ``--repeats`` rounds), each map in the layouts the wrapper reads in
+place.
 
     python packages/gact-kernels/benchmarks/compare_builds.py --baseline OLD/_cpu*.so --threads 1
 """
@@ -15,15 +15,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import statistics
-import time
-from collections.abc import Callable
 from types import ModuleType
 
 import gact_kernels
 import gact_kernels._cpu as current
 import torch
-from bench_kernels import FEATURE_MAPS
+from bench_kernels import FEATURE_MAPS, median_seconds
 from gact_kernels._layout import channel_runs
 from gact_kernels.quantize import DTYPE_CODES
 
@@ -38,49 +35,45 @@ def load_build(path: str) -> ModuleType:
     return module
 
 
-def _median_ms(fn: Callable[[], object], calls: int) -> float:
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+def compare(
+    x: torch.Tensor, builds: dict[str, ModuleType], bits: int, repeats: int, threads: int
+) -> dict[str, object] | None:
+    """Median quantize and dequantize milliseconds of each build on ``x``'s channel runs, the
+    calls interleaved (``bench_kernels.median_seconds``); ``None`` where the wrapper would not
+    read ``x`` as channel runs in place.
 
-
-def compare(x: torch.Tensor, builds: dict[str, ModuleType], bits: int, rounds: int,
-            calls: int, threads: int) -> dict[str, object] | None:  # fmt: skip
-    """Quantize and dequantize milliseconds of each build on ``x``'s channel runs; ``None``
-    where the wrapper would not read ``x`` as channel runs in place."""
+    Raises:
+        AssertionError: if the builds write different bytes or values.
+    """
     q = gact_kernels.quantize(x, bits, seed=1, channel_dim=1)
     runs = channel_runs(x, 1, q.stored_numel // x.shape[1])
     if q.channel_dim is None or runs is None:
         return None
     dtype = DTYPE_CODES[x.dtype]
-    outputs = {}
-    ms = {name: [0.0, 0.0] for name in builds}
-    for _ in range(rounds):
-        for name, module in builds.items():
-            data, lo, scale = (torch.empty_like(t) for t in (q.data, q.lo, q.scale))
-            out = torch.empty_like(x)
-            ptrs = (data.data_ptr(), lo.data_ptr(), scale.data_ptr())
+    outputs, fns = {}, {}
+    for name, module in builds.items():
+        data, lo, scale = (torch.empty_like(t) for t in (q.data, q.lo, q.scale))
+        out = torch.empty_like(x)
+        outputs[name] = (data, lo, scale, out)
+        ptrs = (data.data_ptr(), lo.data_ptr(), scale.data_ptr())
 
-            def quantize(module: ModuleType = module, ptrs: tuple = ptrs) -> None:
-                module.quantize_runs(x.data_ptr(), dtype, *runs, q.group_size, bits, q.seed,
-                                     q.zero_exact, *ptrs, threads)  # fmt: skip
+        def quantize(module: ModuleType = module, ptrs: tuple = ptrs) -> None:
+            module.quantize_runs(x.data_ptr(), dtype, *runs, q.group_size, bits, q.seed,
+                                 q.zero_exact, *ptrs, threads)  # fmt: skip
 
-            def dequantize(module: ModuleType = module, out: torch.Tensor = out) -> None:
-                module.dequantize_runs(q.data.data_ptr(), q.lo.data_ptr(), q.scale.data_ptr(),
-                                       *runs, q.group_size, bits, q.seed, q.zero_exact, dtype,
-                                       out.data_ptr(), threads)  # fmt: skip
+        def dequantize(module: ModuleType = module, out: torch.Tensor = out) -> None:
+            module.dequantize_runs(q.data.data_ptr(), q.lo.data_ptr(), q.scale.data_ptr(), *runs,
+                                   q.group_size, bits, q.seed, q.zero_exact, dtype,
+                                   out.data_ptr(), threads)  # fmt: skip
 
-            ms[name][0] += _median_ms(quantize, calls) / rounds
-            ms[name][1] += _median_ms(dequantize, calls) / rounds
-            outputs[name] = (data, lo, scale, out)
+        fns[f"{name} quantize"], fns[f"{name} dequantize"] = quantize, dequantize
+    seconds = median_seconds(fns, x.device, repeats)
     first, *others = outputs.values()
     for other in others:
         if not all(torch.equal(a, b) for a, b in zip(first, other)):
             raise AssertionError(f"the builds disagree on {list(x.shape)}")
     layout = "nchw" if x.is_contiguous() else "channels_last"
+    ms = {name: 1e3 * t for name, t in seconds.items()}
     return {"shape": list(x.shape), "layout": layout, "runs": list(runs), "ms": ms}
 
 
@@ -89,8 +82,7 @@ def main() -> None:
     parser.add_argument("--baseline", required=True, help="path of the baseline _cpu module")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--bits", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--calls", type=int, default=11)
+    parser.add_argument("--repeats", type=int, default=21, help="interleaved rounds of calls")
     parser.add_argument("--json", help="write the rows to this file")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -101,14 +93,17 @@ def main() -> None:
     for shape in FEATURE_MAPS:
         x = torch.randn(shape)
         for layout in (torch.contiguous_format, torch.channels_last):
-            row = compare(x.contiguous(memory_format=layout), builds, args.bits, args.rounds,
-                          args.calls, args.threads)  # fmt: skip
+            row = compare(
+                x.contiguous(memory_format=layout), builds, args.bits, args.repeats, args.threads
+            )
             if row is None:
                 continue
             rows.append(row)
-            old, new = row["ms"]["baseline"], row["ms"]["installed"]  # type: ignore[index]
-            print(f"| {'x'.join(map(str, shape))} | {row['layout']} | {old[0]:.2f} / {new[0]:.2f} "
-                  f"| {old[1]:.2f} / {new[1]:.2f} |", flush=True)  # fmt: skip
+            ms: dict[str, float] = row["ms"]  # type: ignore[assignment]
+            print(f"| {'x'.join(map(str, shape))} | {row['layout']} | "
+                  f"{ms['baseline quantize']:.2f} / {ms['installed quantize']:.2f} | "
+                  f"{ms['baseline dequantize']:.2f} / {ms['installed dequantize']:.2f} |",
+                  flush=True)  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

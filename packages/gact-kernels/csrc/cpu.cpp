@@ -245,23 +245,6 @@ inline int64_t group_at(int64_t t, const Runs& r, int64_t G) {
   return t % r.channels * blocks + t / r.channels;
 }
 
-// NOTE [groups in one piece]
-// Where a group's m elements lie in one contiguous piece of its channel's run (no piece
-// boundary, no padding: two groups in three on the 28x28 maps of an NCHW tensor at the default
-// group size), the loops read (float32) and write them in place instead of through a buffer.
-// Through the buffer, dequantizing a 512x16x28x28 float32 tensor took 4.7-5.2 ms, in place
-// 3.4-3.8 ms (one thread; 1.5 ms in memory order). The elements and their order are the same
-// either way, and so are the bytes.
-// The offset in the tensor of elements [first, first + m) of the block when they are one
-// contiguous piece, else -1.
-inline int64_t piece_at(const Runs& r, int64_t first, int64_t m) {
-  if (r.inner == 1) return -1;  // channels-last: one element per piece
-  const int64_t c = first / r.run, j = first % r.run;
-  const int64_t o = j / r.inner, i = j % r.inner;
-  if (i + m > r.inner || o >= r.outer) return -1;
-  return (o * r.channels + c) * r.inner + i;
-}
-
 // Elements [first, first + m) of the block (within one channel's run) as floats: pieces of up
 // to `inner` contiguous elements, `channels * inner` apart (one element each for inner == 1,
 // the channels-last and 1x1-map case).
@@ -429,13 +412,7 @@ void quantize_impl(const typename Elem<DT>::type* x, int64_t n, int64_t G, Strea
         if (row == 0) gather_tile<DT>(x, runs, c, first % runs.run, G, tile.data());
         xs = tile.data() + row * G;
       } else if (runs.run != 0) {
-        int64_t at = -1;
-        if constexpr (DT == kFloat32) at = piece_at(runs, first, m);
-        if (at >= 0) {  // NOTE [groups in one piece]
-          if constexpr (DT == kFloat32) xs = x + at;
-        } else {
-          gather_run<DT>(x, runs, first, m, fbuf.data());
-        }
+        gather_run<DT>(x, runs, first, m, fbuf.data());
       } else if constexpr (DT == kFloat32) {
         xs = x + first;
       } else {
@@ -508,8 +485,6 @@ void dequantize_impl(const uint8_t* data, const float* lo, const float* scale, i
         scatter_tile(tile.data(), runs, c, first % runs.run, G, out);
       } else if (runs.run == 0) {
         values(g, m, out + first);
-      } else if (const int64_t at = piece_at(runs, first, m); at >= 0) {
-        values(g, m, out + at);  // NOTE [groups in one piece]
       } else {
         values(g, m, tbuf.data());
         scatter_run(tbuf.data(), runs, first, m, out);

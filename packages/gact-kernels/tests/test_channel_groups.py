@@ -113,7 +113,7 @@ def test_bytes_are_the_kernel_on_the_channel_block(
         "channels-last, tiles, whole runs",
         "channels-last, tiles, padded runs",
         "channels-last, 20 channels: no tiles",
-        "NCHW, 13x13 maps: channel by channel, some groups in one piece",
+        "NCHW, 13x13 maps: channel by channel",
         "NCHW, 6x6 maps: block by block",
     ],
 )
@@ -122,10 +122,9 @@ def test_large_channel_runs_on_two_threads(
 ) -> None:
     """Tensors large enough for the threaded loops, which visit the groups of channels-last
     and small-map runs block by block across channels, and gather and scatter eight
-    channels-last channels at a time, and read and write a group that lies in one piece of
-    its channel in place (NOTE [group order], NOTE [channel tiles] and NOTE [groups in one
-    piece] in csrc/cpu.cpp): the bytes and values are the plain kernel's on the channel-major
-    block, and so the same on any number of threads."""
+    channels-last channels at a time (NOTE [group order] and NOTE [channel tiles] in
+    csrc/cpu.cpp): the bytes and values are the plain kernel's on the channel-major block, and
+    so the same on any number of threads."""
     x = torch.randn(shape, generator=torch.Generator().manual_seed(4)).to(dtype)
     x = x.contiguous(memory_format=layout)
     threads = torch.get_num_threads()
