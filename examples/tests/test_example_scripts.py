@@ -568,6 +568,21 @@ def test_checkpoint_blocks_wraps_the_named_modules(script):
     assert torch.equal(torch.autograd.grad(model(x).sum(), x)[0], expected)
 
 
+def test_group_layouts_script(data_root, tmp_path, script):
+    """group_layouts.py: a row per linear layer and width, every layout's error positive, and
+    on the LLaMA-style decoder's query projection (its input a RMSNorm's output times learned
+    gains) feature groups round no worse than memory-order groups of 256."""
+    pytest.importorskip("transformers")  # examples[transformers], in tests(examples)
+    out = tmp_path / "g.json"
+    argv = ["--data", str(data_root), "--warmup", "2", "--draws", "2", "--batch-size", "4"]
+    rows = script("group_layouts.py").main([*argv, "--json", str(out)])
+    assert json.loads(out.read_text()) == rows
+    assert {r["bits"] for r in rows} == {2, 4} and len(rows) == 2 * 15  # 7 per layer, lm_head
+    assert all(r[k] > 0 for r in rows for k in script("group_layouts.py").LAYOUTS)
+    query = [r for r in rows if r["layer"].endswith("layers.0.self_attn.q_proj")]
+    assert all(r["feature groups"] <= r["memory order, 256"] for r in query)
+
+
 def test_rotation_bench_script(data_root, tmp_path, script):
     """rotation_bench.py: the saves an L1 step rotates are the down projections' inputs, and
     only their layers' gradient errors differ between rotated and plain groups (same seeds)."""

@@ -144,6 +144,18 @@ def test_rotation_is_judged_by_its_expected_error(
     assert rotation.rotation_is_better(data, 4, group_size=256) is expected
 
 
+def test_rotation_is_judged_against_feature_groups() -> None:
+    """A save grouped by features unrotated (NOTE [Feature groups] in saved.py) rotates only
+    where the rotation beats that layout: features of scales 1e-3 .. 1 no longer rotate (the
+    rotation beats memory-order groups, not groups per feature); heavy tails still do."""
+    gen = torch.Generator().manual_seed(0)
+    scaled = torch.randn(512, 64, generator=gen) * torch.logspace(-3, 0, 64)
+    heavy = torch.randn(512, 176, generator=gen) * torch.randn(512, 176, generator=gen).exp() ** 2
+    assert rotation.rotation_is_better(scaled, 4, group_size=256)
+    assert not rotation.rotation_is_better(scaled, 4, group_size=256, feature_dim=1)
+    assert rotation.rotation_is_better(heavy, 4, group_size=256, feature_dim=1)
+
+
 def test_rotation_is_off_where_groups_follow_rows_channels_or_zeros(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

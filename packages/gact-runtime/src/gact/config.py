@@ -100,10 +100,11 @@ class GactConfig:
             in pointwise.py); ``False`` always quantizes them.
         channel_groups: quantize tensors of rank 4 or more (NCHW, NCDHW, and their
             channels-last layouts) with groups that never span two channels of dim 1
-            (NOTE [channel groups] in gact_kernels/_layout.py), and the inputs of LayerNorm and
-            RMSNorm with groups that never span two rows (NOTE [Attention and row
-            normalisations] in decisions.py): a channel's or row's precision then never depends
-            on the range of another. ``False`` groups every tensor in memory order, as the
+            (NOTE [channel groups] in gact_kernels/_layout.py), tensors of rank 2 and 3 with
+            groups that never span two features of the last dimension (NOTE [Feature groups]
+            in saved.py), and the inputs of LayerNorm and RMSNorm with groups that never span
+            two rows (NOTE [Attention and row normalisations] in decisions.py): a channel's,
+            feature's or row's precision then never depends on the range of another. ``False`` groups every tensor in memory order, as the
             original GACT did (it diverged on a ResNet-18 at 32x32, whose last stage has 1x1
             maps: BENCHMARKS.md, "Stability").
         rotated_groups: quantize a heavy-tailed tensor (one whose groups' ranges a few large

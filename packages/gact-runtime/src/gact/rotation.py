@@ -148,22 +148,43 @@ def _expected_error(groups: torch.Tensor, bits: int) -> float:
 
 
 def rotation_is_better(
-    data: torch.Tensor, bits: int, *, group_size: int, max_groups: int = 64
+    data: torch.Tensor,
+    bits: int,
+    *,
+    group_size: int,
+    feature_dim: int | None = None,
+    max_groups: int = 64,
 ) -> bool:
-    """Whether rotating contiguous ``data`` cuts the expected squared rounding error at ``bits``
-    below ``WORTH`` times the plain one, judged on up to ``max_groups`` whole groups spread
-    over it (non-finite ones: no)."""
+    """Whether rotating contiguous ``data`` cuts the expected squared rounding error per element
+    at ``bits`` below ``WORTH`` times that of its layout unrotated (groups in memory order, or
+    along ``feature_dim``, the last dimension: NOTE [Feature groups] in saved.py), judged on up
+    to ``max_groups`` whole groups of each spread over it (non-finite ones: no)."""
     flat = data.detach().reshape(-1)
     groups = flat.numel() // group_size
     if groups == 0:
         return False
-    picked = torch.linspace(0, groups - 1, min(groups, max_groups), device=data.device).long()
-    idx = picked.unsqueeze(1) * group_size + torch.arange(group_size, device=data.device)
-    sample = flat[idx].float()
-    if not bool(torch.isfinite(sample).all()):
+    sample = _spread(flat.view(1, -1), groups, group_size, max_groups)
+    if feature_dim is None:
+        plain = sample
+    else:  # rows of one feature: (features, rows) -> groups along the rows
+        columns = data.detach().reshape(-1, data.shape[-1]).t()
+        plain = _spread(columns, columns.shape[1] // group_size, group_size, max_groups)
+    if plain.numel() == 0 or not bool(torch.isfinite(sample).all() & torch.isfinite(plain).all()):
         return False
     block = _block_size(group_size)
     spun = gact_kernels.rotate(sample, block).double()
     # the restoration divides by the block: squared errors shrink by it
-    rotated = _expected_error(spun, bits) / block
-    return rotated < WORTH * _expected_error(sample.double(), bits)
+    rotated = _expected_error(spun, bits) / block / sample.numel()
+    return rotated < WORTH * _expected_error(plain.double(), bits) / plain.numel()
+
+
+def _spread(rows: torch.Tensor, per_row: int, group_size: int, max_groups: int) -> torch.Tensor:
+    """Up to ``max_groups`` whole groups of ``group_size`` consecutive elements of the rows of
+    ``rows`` (``per_row`` groups each), spread over them, as float32 rows."""
+    total = rows.shape[0] * per_row
+    if total == 0:
+        return rows.new_empty((0, group_size), dtype=torch.float32)
+    picked = torch.linspace(0, total - 1, min(total, max_groups), device=rows.device).long()
+    row, block = picked // per_row, picked % per_row
+    idx = block.unsqueeze(1) * group_size + torch.arange(group_size, device=rows.device)
+    return rows[row.unsqueeze(1), idx].float()
