@@ -104,9 +104,10 @@ class GactConfig:
             groups that never span two features of the last dimension (NOTE [Feature groups]
             in saved.py), and the inputs of LayerNorm and RMSNorm with groups that never span
             two rows (NOTE [Attention and row normalisations] in decisions.py): a channel's,
-            feature's or row's precision then never depends on the range of another. ``False`` groups every tensor in memory order, as the
-            original GACT did (it diverged on a ResNet-18 at 32x32, whose last stage has 1x1
-            maps: BENCHMARKS.md, "Stability").
+            feature's or row's precision then never depends on the range of another.
+            ``False`` groups every tensor in memory order, as the original GACT did (it
+            diverged on a ResNet-18 at 32x32, whose last stage has 1x1 maps: BENCHMARKS.md,
+            "Stability").
         rotated_groups: quantize a heavy-tailed tensor (one whose groups' ranges a few large
             elements set, such as the SwiGLU product a LLaMA MLP's down projection reads) after
             a randomized Hadamard rotation of each group, where that cuts the expected rounding

@@ -166,9 +166,10 @@ def rotation_is_better(
     sample = _spread(flat.view(1, -1), groups, group_size, max_groups)
     if feature_dim is None:
         plain = sample
-    else:  # rows of one feature: (features, rows) -> groups along the rows
+    else:  # rows of one feature: (features, rows) -> groups along the rows, at most all of them
         columns = data.detach().reshape(-1, data.shape[-1]).t()
-        plain = _spread(columns, columns.shape[1] // group_size, group_size, max_groups)
+        along = min(group_size, columns.shape[1])
+        plain = _spread(columns, columns.shape[1] // along, along, max_groups)
     if plain.numel() == 0 or not bool(torch.isfinite(sample).all() & torch.isfinite(plain).all()):
         return False
     block = _block_size(group_size)

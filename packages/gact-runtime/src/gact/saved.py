@@ -879,9 +879,10 @@ class SaveHooks:
                     channel_dim: int | None = 0
                 elif channels:
                     channel_dim = 1
-                else:  # NOTE [Feature groups]
-                    features = _feature_dim(data, plan.config, bits)
-                    channel_dim = None if rotated is not None else features
+                elif rotated is None:  # NOTE [Feature groups]
+                    channel_dim = _feature_dim(data, plan.config, bits)
+                else:
+                    channel_dim = None
                 pending = gact_kernels.quantize_async(
                     source, bits, group_size=group_size, seed=seed, zero_exact=zero_exact,
                     channel_dim=channel_dim,
