@@ -11,6 +11,9 @@ normalisations] in decisions.py).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import gact_kernels
 import pytest
 import torch
@@ -169,8 +172,9 @@ def test_convolution_gradient_on_a_small_sparse_map(level: str, bound: float) ->
     assert float((rows - exact).pow(2).mean(0).sum().sqrt() / exact.norm()) < bound
 
 
-def test_channel_groups_reach_the_kernels() -> None:
-    """Rank-4 saves are quantized with channel_dim=1; rank-2 saves in memory order."""
+@contextlib.contextmanager
+def _channel_dims() -> Iterator[list[int | None]]:
+    """The ``channel_dim`` of every ``gact_kernels.quantize_async`` call made in the block."""
     calls: list[int | None] = []
     quantize = gact_kernels.quantize_async
 
@@ -179,14 +183,20 @@ def test_channel_groups_reach_the_kernels() -> None:
         calls.append(pending.provisional.channel_dim)
         return pending
 
-    model = nn.Sequential(_model(), nn.Flatten(), nn.Linear(CHANNELS, 10))
-    x = torch.randn(50, 32, 1, 1)  # batch 50: runs of 50 elements, padded to 56
     gact_kernels.quantize_async = spy  # type: ignore[assignment]
     try:
-        with Controller(model, GactConfig.from_level("L1", min_numel=0)) as controller:
-            model(x).sum().backward()
+        yield calls
     finally:
         gact_kernels.quantize_async = quantize  # type: ignore[assignment]
+
+
+def test_channel_groups_reach_the_kernels() -> None:
+    """Rank-4 saves are quantized with channel_dim=1; rank-2 saves in memory order."""
+    model = nn.Sequential(_model(), nn.Flatten(), nn.Linear(CHANNELS, 10))
+    x = torch.randn(50, 32, 1, 1)  # batch 50: runs of 50 elements, padded to 56
+    with _channel_dims() as calls:
+        with Controller(model, GactConfig.from_level("L1", min_numel=0)) as controller:
+            model(x).sum().backward()
     assert 1 in calls and None in calls
     site = max(
         (r for r in controller.ledger.view()[0].values() if r.metadata_bits is not None),
@@ -239,22 +249,11 @@ def test_feature_groups_reach_the_kernels(
     """Saves of rank 2 or 3, the input of a linear layer (saved as its 2-D view) and a tanh's
     output, are quantized along their last dimension at up to 3 bits when each feature holds
     at least half a group of rows (here 128), else in memory order (NOTE [Feature groups])."""
-    calls: list[int | None] = []
-    quantize = gact_kernels.quantize_async
-
-    def spy(*args: object, **kwargs: object) -> gact_kernels.PendingQuantize:
-        pending = quantize(*args, **kwargs)  # type: ignore[arg-type]
-        calls.append(pending.provisional.channel_dim)
-        return pending
-
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 32), nn.Tanh())
-    gact_kernels.quantize_async = spy  # type: ignore[assignment]
-    try:
+    with _channel_dims() as calls:
         with Controller(model, GactConfig.from_level(level, min_numel=0)):
             model(torch.randn(*shape)).sum().backward()
-    finally:
-        gact_kernels.quantize_async = quantize  # type: ignore[assignment]
     assert calls == expected
 
 
