@@ -247,8 +247,9 @@ def test_feature_groups_reach_the_kernels(
     level: str, shape: tuple[int, ...], expected: list[int | None]
 ) -> None:
     """Saves of rank 2 or 3, the input of a linear layer (saved as its 2-D view) and a tanh's
-    output, are quantized along their last dimension at up to 3 bits when each feature holds
-    at least half a group of rows (here 128), else in memory order (NOTE [Feature groups])."""
+    output, are quantized along their last dimension at levels of at most 3 bits when each
+    feature holds at least half a group of rows (here 128), else in memory order (NOTE [Feature
+    groups])."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 32), nn.Tanh())
     with _channel_dims() as calls:

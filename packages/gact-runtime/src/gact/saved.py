@@ -880,7 +880,7 @@ class SaveHooks:
                 elif channels:
                     channel_dim = 1
                 elif rotated is None:  # NOTE [Feature groups]
-                    channel_dim = _feature_dim(data, plan.config, bits)
+                    channel_dim = _feature_dim(data, plan.config, plan.default_bits)
                 else:
                     channel_dim = None
                 pending = gact_kernels.quantize_async(
@@ -949,7 +949,7 @@ class SaveHooks:
             "rotation", key, bits,
             lambda: rotation.rotation_is_better(
                 data, bits, group_size=config.group_size,
-                feature_dim=_feature_dim(data, config, bits),
+                feature_dim=_feature_dim(data, config, self.plan.default_bits),
             ),
         )  # fmt: skip
 
@@ -1026,18 +1026,21 @@ def _row_length(
 # group of rows each (fewer would pay a group header for each). Row groups (norm inputs, NOTE
 # [Attention and row normalisations] in decisions.py) and rotated saves (heavy tails, NOTE
 # [Rotated groups] in rotation.py, now judged against feature groups) keep their layouts.
-# Only at widths up to FEATURE_GROUP_BITS: gathering a feature's rows costs the kernels 1.7-2x
-# their memory-order time (an L1 step of transformers' GPT-2 4x128 on the CPU went from 1.15-1.20x
-# to 1.38-1.40x fp32's), and at 4 bits memory-order groups already keep the rounding below 10%
-# of the minibatch variance on both models, whose L1 losses feature groups did not move; at 2
-# bits they took the decoder's L1.2 and L2.2 losses 5-8% lower in every seed.
+# Only at levels whose nominal width is at most FEATURE_GROUP_BITS (L1.2, L2.1, L2.2): gathering
+# a feature's rows costs the kernels 1.7-2x their memory-order time (an L1 step of transformers'
+# GPT-2 4x128 on the CPU went from 1.15-1.20x to 1.38-1.40x fp32's), and at 4 bits memory-order
+# groups already keep the rounding below 10% of the minibatch variance on both models, whose L1
+# losses feature groups did not move; at 2 bits they took the decoder's L1.2 and L2.2 losses 5-8%
+# lower in every seed. The level decides, not each key's width, so that a key keeps one layout,
+# and the metadata its allocation counts, whatever width an adaptation gives it: chosen per
+# width, a GCN's L2.2 under a memory budget stored 89% of it instead of 95%.
 FEATURE_GROUP_BITS = 3
 
 
-def _feature_dim(data: torch.Tensor, config: GactConfig, bits: int) -> int | None:
-    """The dimension of a save's features when it is quantized at ``bits`` in feature groups
-    (NOTE [Feature groups]), else ``None``."""
-    if not config.channel_groups or bits > FEATURE_GROUP_BITS:
+def _feature_dim(data: torch.Tensor, config: GactConfig, width: int) -> int | None:
+    """The dimension of a save's features when it is quantized in feature groups at a level of
+    nominal ``width`` (NOTE [Feature groups]), else ``None``."""
+    if not config.channel_groups or width > FEATURE_GROUP_BITS:
         return None
     if data.dim() not in (2, 3) or not data.is_contiguous():
         return None
