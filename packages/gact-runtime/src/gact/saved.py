@@ -1022,8 +1022,11 @@ def _row_length(
 # than with groups along the rows of one feature, on the ViT 1.6-5x (2 and 4 bits alike). So
 # such saves are grouped like a channels-last map's channels (``channel_dim`` = the last
 # dimension; the CPU kernels read the runs in place, tiled where the features come in eights):
-# no group spans two features, at no more metadata, provided the features hold at least half a
-# group of rows each (fewer would pay a group header for each). Row groups (norm inputs, NOTE
+# no group spans two features. Where the rows fill whole groups (4,096 tokens) the metadata is
+# memory order's; otherwise each feature's rows are padded to whole groups (NOTE [channel
+# groups] in gact_kernels/_layout.py), which the ledger counts at 8 bits per padded element
+# (700 rows: 0.50 bits per element counted, against 0.25). Features need at least half a group
+# of rows each (fewer would pay a group header for each). Row groups (norm inputs, NOTE
 # [Attention and row normalisations] in decisions.py) and rotated saves (heavy tails, NOTE
 # [Rotated groups] in rotation.py, now judged against feature groups) keep their layouts.
 # Only at levels whose nominal width is at most FEATURE_GROUP_BITS (L1.2, L2.1, L2.2): gathering
@@ -1033,7 +1036,8 @@ def _row_length(
 # losses feature groups did not move; at 2 bits they took the decoder's L1.2 and L2.2 losses 5-8%
 # lower in every seed. The level decides, not each key's width, so that a key keeps one layout,
 # and the metadata its allocation counts, whatever width an adaptation gives it: chosen per
-# width, a GCN's L2.2 under a memory budget stored 89% of it instead of 95%.
+# width, a GCN's L2.2 under a memory budget (700 rows) stored 89% of it, by level 91%, in memory
+# order 95% (the padding counted at 8 bits makes the allocation leave bytes unspent).
 FEATURE_GROUP_BITS = 3
 
 
