@@ -25,7 +25,7 @@ from typing import Any
 
 import gact_kernels
 import torch
-from gact_examples.tasks import make_task
+from gact_examples.tasks import make_task, warmed_up
 from torch import nn
 
 #: layout name -> keyword arguments of ``gact_kernels.quantize``
@@ -83,14 +83,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     if args.threads:
         torch.set_num_threads(args.threads)
     task = make_task(args.model, args)
-    torch.manual_seed(0)
-    model = task.build()
-    batches = task.batches(torch.Generator().manual_seed(0))
-    optimizer = task.optimizer(model, 1e-3)
-    for _ in range(args.warmup):
-        optimizer.zero_grad()
-        task.loss(model, next(batches)).backward()
-        optimizer.step()
+    model, batches = warmed_up(task, args.warmup)
     batch = next(batches)
     rows = []
     print(f"| {args.model} layer | input | bits | " + " | ".join(LAYOUTS) + " |")

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from gact import Controller, GactConfig
 from gact.saved import SavedCompressed
-from gact_examples.tasks import make_task
+from gact_examples.tasks import make_task, warmed_up
 from torch import nn
 
 
@@ -119,15 +119,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     task = make_task("llama", argparse.Namespace(data=args.data, batch_size=args.batch_size))
-    torch.manual_seed(0)
-    model = task.build().to(device)
-    raw = task.batches(torch.Generator().manual_seed(0))
-    batches = ((x.to(device), y.to(device)) for x, y in raw)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    for _ in range(args.warmup):
-        optimizer.zero_grad()
-        task.loss(model, next(batches)).backward()
-        optimizer.step()
+    model, batches = warmed_up(task, args.warmup, device)
     batch = next(batches)
     result: dict[str, Any] = {"device": str(device), "warmup": args.warmup}
     result["rotated_saves"] = rotated_saves(model, task, batch)

@@ -1,5 +1,5 @@
-"""The stability study's model families, as ``examples/stability.py`` and
-``examples/rotation_bench.py`` train them: torchvision's ResNet-18 layout on CIFAR-10 (SGD with
+"""The stability study's model families, as ``examples/stability.py``,
+``examples/rotation_bench.py`` and ``examples/group_layouts.py`` train them: torchvision's ResNet-18 layout on CIFAR-10 (SGD with
 momentum 0.9), and the model matrix's ViT (CIFAR-10, 4x4 patches) and LLaMA-style decoder
 (tiny-shakespeare characters, 64 per sequence), 2 layers of width 64 from ``transformers``
 configs, with AdamW."""
@@ -17,7 +17,7 @@ from torch import nn
 from .data import load_char_corpus, load_cifar10
 from .models import ResNet18
 
-__all__ = ["Batch", "Task", "load_images", "make_task"]
+__all__ = ["Batch", "Task", "load_images", "make_task", "warmed_up"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -109,3 +109,23 @@ def make_task(name: str, args: argparse.Namespace) -> Task:
     if name == "vit":
         return Task(_vit, _samples(images, labels, args.batch_size), _classify, _adamw)
     return Task(ResNet18, _samples(images, labels, args.batch_size), _classify, _sgd)
+
+
+def warmed_up(
+    task: Task, steps: int, device: torch.device | str = "cpu", lr: float = 1e-3
+) -> tuple[nn.Module, Iterator[Batch]]:
+    """``task``'s model (seed 0) after ``steps`` fp32 training steps with its optimizer at
+    ``lr``, and the rest of its batch stream (seed 0), on ``device``: the trained weights the
+    diagnosis scripts measure at."""
+    device = torch.device(device)
+    torch.manual_seed(0)
+    model = task.build().to(device)
+    batches = (
+        (x.to(device), y.to(device)) for x, y in task.batches(torch.Generator().manual_seed(0))
+    )
+    optimizer = task.optimizer(model, lr)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        task.loss(model, next(batches)).backward()
+        optimizer.step()
+    return model, batches
