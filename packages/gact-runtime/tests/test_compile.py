@@ -388,8 +388,10 @@ def test_compile_time_is_counted_and_left_out_of_the_time_adapting_is_a_share_of
         for _ in range(3):
             controller.iterate(closure)
         doubled = torch.compile(lambda t: t * 2, backend=_sleepy_backend(0.4, calls))
+        start = time.perf_counter()
         with torch.no_grad():
             doubled(x)  # compiled under the hooks, but not a graph they were traced into
+        doubled_seconds = time.perf_counter() - start  # training time, as far as GACT knows
         controller.iterate(closure)
         unchanged = controller.stats()["compile_seconds"]
         torch._dynamo.reset()  # drops dynamo's callbacks too: the clock registers again
@@ -402,7 +404,9 @@ def test_compile_time_is_counted_and_left_out_of_the_time_adapting_is_a_share_of
     assert stats["adaptations"] >= 2
     # the time adapting is a share of: the steps of an MLP of 16 x 32 x 4, not the compilations
     trained = controller.adapter.seconds / stats["adaptation_overhead"]
-    assert trained < 0.8
+    # (counting the model's compilations would add at least the 1.6 s its backend sleeps; the
+    # lambda's compilation is training time to GACT, and took 0.8 s on a loaded CI machine)
+    assert trained - doubled_seconds < 0.8
 
 
 @pytest.mark.parametrize(
