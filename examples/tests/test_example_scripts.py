@@ -598,3 +598,25 @@ def test_rotation_bench_script(data_root, tmp_path, script):
         if "down_proj" not in row["layer"]:
             assert row["rotated"] == row["plain"]
     assert set(result["step"]) == {"fp32", "L1 plain", "L1 rotated"}
+
+
+def test_view_saves(tmp_path, script):
+    """The activation's and the attention's outputs of each layer of PyTorch's transformer
+    layer without dropout are stored once with their views (NOTE [Aliased saves]); dropout
+    makes the views' bases tensors nothing else saves."""
+    out = tmp_path / "views.json"
+    argv = "--models encoder-relu,encoder-relu-dropout,tanh-mlp --levels L0,L1 --batch 2 "
+    argv += f"--tokens 16 --width 32 --json {out}"
+    records = script("view_saves.py").main(argv.split())
+    assert json.loads(out.read_text()) == records
+    found = {(r["model"], r["level"]): r for r in records}
+    assert found["encoder-relu", "L1"]["deduplicated_saves"] == 4  # 2 layers x (ReLU, attention)
+    assert found["encoder-relu-dropout", "L1"]["deduplicated_saves"] == 0
+    assert found["tanh-mlp", "L1"]["deduplicated_saves"] == 1
+    for (_, level), r in found.items():
+        assert (r["stored_bytes"] < r["original_bytes"]) == (level == "L1")
+
+
+def test_view_saves_rejects_unknown_models(script):
+    with pytest.raises(SystemExit):
+        script("view_saves.py").main(["--models", "resnet"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import gact_kernels
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from gact import Controller, GactConfig
 from gact.ledger import Kind
-from gact.saved import SavedCompressed, SavedKept
+from gact.saved import SavedCompressed, SavedKept, SavedView, SaveHooks
 from models import CASES, make_case, ring_adjacency
 from runtime_helpers import make_closure, measured_step
 from torch import nn
@@ -181,6 +182,145 @@ def test_views_of_one_input_saved_by_several_linear_layers_are_stored_once() -> 
     assert stored[3] == stored[1]
 
 
+class _ActivationThenLinear(nn.Module):
+    """An activation that saves its output, read again by the next linear layer: on a 3-D
+    input, the linear layer saves its own 2-D view of that output (``input.view(-1, d)``)."""
+
+    def __init__(self, activation: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.a, self.b, self.activation = nn.Linear(64, 64), nn.Linear(64, 64), activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.activation(self.a(x)))
+
+
+@pytest.mark.parametrize("level", ["L1", "L1.2"])
+@pytest.mark.parametrize("activation", [torch.tanh, torch.sigmoid, torch.relu])
+def test_an_activation_output_and_the_next_layers_view_of_it_are_stored_once(
+    activation: Callable[[torch.Tensor], torch.Tensor], level: str, monkeypatch: Any
+) -> None:
+    """NOTE [Aliased saves]: a tokens-by-features batch stores what the same rows stored as a
+    2-D batch store, and both readers read one rounding (the activation's output and the next
+    layer's 2-D view of it were two roundings, the view stored a second time)."""
+    torch.manual_seed(0)
+    model = _ActivationThenLinear(activation)
+    model.a.requires_grad_(False)  # the activation's output and its view: the only reads
+    x = torch.randn(8, 32, 64, requires_grad=True)
+    unpacked: list[torch.Tensor] = []
+    unpack = SaveHooks.unpack
+
+    def spy(self: SaveHooks, saved: Any) -> torch.Tensor:
+        unpacked.append(unpack(self, saved))
+        return unpacked[-1]
+
+    monkeypatch.setattr(SaveHooks, "unpack", spy)
+    stats = {}
+    for rank, batch in ((2, x.view(-1, 64)), (3, x)):
+        unpacked.clear()
+        with Controller(model, GactConfig.from_level(level, min_numel=0)) as controller:
+            model(batch).sum().backward()
+            controller.step()
+        stats[rank] = controller.stats()
+    assert stats[3]["stored_bytes"] == stats[2]["stored_bytes"]
+    assert stats[3]["deduplicated_saves"] == stats[2]["deduplicated_saves"] == 1
+    h = activation(model.a(x)).detach()
+    reads = [t.reshape(h.shape) for t in unpacked if t.numel() == h.numel()]
+    assert len(reads) == 2 and torch.equal(reads[0], reads[1])
+    assert not torch.equal(reads[0], h)  # rounded, not kept
+
+
+class _Slices(nn.Module):
+    """Views of an activation's output with gaps, an offset, transposed and broadcast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 64), nn.Linear(32, 64)
+        self.w, self.u = nn.Parameter(torch.randn(64, 64)), nn.Parameter(torch.randn(128, 64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.sigmoid(self.a(x))  # saves its output
+        middle = self.b(h[:, 16:48])  # a slice with an offset and gaps between its rows
+        turned = h.t() @ self.u  # a transposed view
+        row = h[:1].expand(h.shape[0], 64) * self.w[0]  # a broadcast row
+        return middle.sum() + turned.sum() + row.sum()
+
+
+def _transformer_layers() -> tuple[nn.Module, torch.Tensor]:
+    layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), torch.randn(4, 32, 64)
+
+
+_SHARED_STORAGE_CASES: dict[str, Callable[[], tuple[nn.Module, torch.Tensor]]] = {
+    "TransformerEncoderLayer": _transformer_layers,
+    "tanh then linear": lambda: (_ActivationThenLinear(torch.tanh), torch.randn(8, 32, 64)),
+    "slices": lambda: (_Slices(), torch.randn(128, 64)),
+}
+
+
+@pytest.mark.parametrize("case", list(_SHARED_STORAGE_CASES))
+def test_views_of_a_compressed_save_are_read_from_it(case: str, monkeypatch: Any) -> None:
+    """NOTE [Aliased saves]: no two compressed payloads hold elements of one storage (PyTorch's
+    own transformer layer stored its ReLU's output and its attention's output twice each), and
+    each view unpacks to its own elements (within 8-bit rounding)."""
+    torch.manual_seed(0)
+    model, x = _SHARED_STORAGE_CASES[case]()
+    packed: list[tuple[torch.Tensor, tuple[int, ...], tuple[int, int, int], Any]] = []
+    alive = []  # no storage is freed and reused: addresses name elements
+    pack_own = SaveHooks.pack_own
+
+    def spy(self: SaveHooks, tensor: torch.Tensor, **kwargs: Any) -> Any:
+        saved = pack_own(self, tensor, **kwargs)
+        alive.append(tensor)
+        size = tensor.element_size()
+        first = tensor.data_ptr()
+        last = first + size * sum((n - 1) * st for n, st in zip(tensor.shape, tensor.stride()))
+        span = (tensor.untyped_storage().data_ptr(), first, last)
+        packed.append((tensor.detach().clone(), tensor.stride(), span, saved))
+        return saved
+
+    monkeypatch.setattr(SaveHooks, "pack_own", spy)
+    with Controller(model, GactConfig.from_level("L1.1", min_numel=0)) as controller:
+        model(x).sum().backward()
+        controller.step()
+    compressed, ranges = [], {}
+    for original, stride, span, saved in packed:
+        if isinstance(saved, (SavedView, SavedCompressed)):
+            source = saved.source if isinstance(saved, SavedView) else saved
+            compressed.append((span, source, tuple(original.shape)))
+            # a view is rounded with the steps of the tensor whose save holds it
+            ranges.setdefault(id(source), (original.amax() - original.amin()).clamp(min=1e-6))
+            unpacked = saved.unpack()
+            assert unpacked.shape == original.shape and unpacked.stride() == stride
+            assert (unpacked - original).abs().max() <= 1.01 * ranges[id(source)] / 255
+    assert any(isinstance(saved, SavedView) for *_, saved in packed)
+    twice = [
+        (shape, other_shape)
+        for i, ((storage, first, last), source, shape) in enumerate(compressed)
+        for (other, o_first, o_last), other_source, other_shape in compressed[:i]
+        if other == storage and first <= o_last and o_first <= last and source is not other_source
+    ]  # saves of overlapping elements held as two payloads
+    assert not twice
+
+
+def test_in_place_change_of_an_activation_output_read_through_a_view_raises() -> None:
+    """A view stored as its base's save checks the version counter they share, and PyTorch's
+    message names the view."""
+
+    class Changed(_ActivationThenLinear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.a(x))
+            out = self.b(h)
+            h.mul_(2)
+            return out
+
+    model = Changed(torch.tanh)
+    with Controller(model, GactConfig.from_level("L1", min_numel=0)) as controller:
+        loss = model(torch.randn(8, 32, 64)).sum()
+        with pytest.raises(RuntimeError, match=r"\[256, 64\]\], which is output 0 of ViewBack"):
+            loss.backward()
+    assert controller.stats()["deduplicated_saves"] == 1
+
+
 class _LazyViews(nn.Module):
     """Products of a view with its lazily conjugated or negated view: same storage, offset,
     shape, strides and dtype, other values."""
@@ -220,6 +360,37 @@ def test_aliased_saves_are_measured_once_per_reader() -> None:
         _, meter = measured_step(model, config, lambda m=model: m(x).backward())
         (measured[heads],) = meter.sensitivities().values()
     assert measured[2] == pytest.approx(2 * measured[1], rel=1e-5)
+
+
+class _TwoReaders(nn.Module):
+    """Two equal linear layers reading one activation, the second through a 3-D view of it
+    (``viewed``) or as it is."""
+
+    def __init__(self, viewed: bool) -> None:
+        super().__init__()
+        self.a, self.b, self.viewed = nn.Linear(64, 64), nn.Linear(64, 64), viewed
+        self.b.load_state_dict(self.a.state_dict())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * 1.5  # saved by neither the product nor anything but the linear layers
+        second = self.b(h.view(8, 32, 64) if self.viewed else h)
+        return self.a(h).sum() + second.sum()
+
+
+def test_a_view_of_a_measured_save_is_measured_under_its_key() -> None:
+    """A view that reads all of a save's block in memory order is measured through that
+    save's payload, under its key (NOTE [Aliased saves]): as a second reader of the tensor
+    itself is (a second key, with its own rounding, before)."""
+    torch.manual_seed(0)
+    x = torch.randn(256, 64)
+    measured = {}
+    for viewed in (False, True):
+        model = _TwoReaders(viewed)
+        config = GactConfig.from_level("L1", min_numel=0, seed=3)
+        _, meter = measured_step(model, config, lambda m=model: m(x).backward())
+        measured[viewed] = meter.sensitivities()
+    assert len(measured[True]) == len(measured[False]) == 1
+    assert measured[True] == pytest.approx(measured[False], rel=1e-5)
 
 
 def test_small_and_integer_tensors_are_kept() -> None:
@@ -382,7 +553,8 @@ def test_expanded_views_are_counted_by_storage_and_stored_by_their_base() -> Non
             self.gate = nn.Parameter(torch.randn(1, 64))
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            gate = torch.sigmoid(self.gate).expand(512, 64)  # one row, 512 views of it
+            # one row (saved by none but the product: NOTE [Aliased saves]), 512 views of it
+            gate = (self.gate * 2).expand(512, 64)
             return (gate * self.lin(x)).sum()  # the product saves the expanded gate
 
     model = Broadcast()

@@ -92,11 +92,20 @@ class SensitivityMeter:
         decisions.set_measuring(self, False)
 
     def saved(
-        self, saved: SavedCompressed, tensor: torch.Tensor, spec: DecisionSpec | None
+        self,
+        saved: SavedCompressed,
+        tensor: torch.Tensor,
+        spec: DecisionSpec | None,
+        *,
+        readable: bool = True,
     ) -> None:
         """``tensor`` was saved as ``saved`` (quantized, or a deduplicated save of it) during a
-        call with ``spec``: measure it if the call reads it linearly."""
-        whole = saved.table is None and saved.expand_to is None and saved.ticket is None
+        call with ``spec``: measure it if the call reads it linearly; ``readable``: whether the
+        payload holds ``tensor``'s elements in its memory order (not for every view of the
+        tensor ``saved`` holds: that view's reader is then probed)."""
+        whole = (
+            readable and saved.table is None and saved.expand_to is None and saved.ticket is None
+        )
         self._observe(saved.key, tensor, spec, lambda: saved.held if whole else None, saved.rotated)
 
     def kept(

@@ -33,7 +33,10 @@ from .swap import Swapper, Ticket
 if TYPE_CHECKING:
     from .measured import SensitivityMeter
 
-__all__ = ["SaveHooks", "Saved", "SavedCompressed", "SavedKept", "SavedShape", "installed_hooks"]
+__all__ = [
+    "SaveHooks", "Saved", "SavedCompressed", "SavedKept", "SavedShape", "SavedView",
+    "installed_hooks",
+]  # fmt: skip
 
 _PARAM_KEY = "<parameters>"  # ledger key of every parameter/buffer save
 
@@ -41,7 +44,8 @@ _PARAM_KEY = "<parameters>"  # ledger key of every parameter/buffer save
 # ``pack`` returns a ``Saved``: ``SavedKept`` holds the tensor itself (parameters, buffers, small,
 # integer or float64 tensors, level L0, keys kept at full precision, saves outside the model's
 # forward); ``SavedCompressed`` owns the compressed payload; ``SavedShape`` holds a shape alone
-# (NOTE [Shape-only saves] in decisions.py). Autograd keeps that object alive
+# (NOTE [Shape-only saves] in decisions.py); ``SavedView`` holds another save of its data (NOTE
+# [Aliased saves]). Autograd keeps that object alive
 # exactly as long as it would have kept the tensor, so there is no side table, no reference count
 # and nothing to leak when a backward never runs: the graph's death frees the payload. ``unpack``
 # never consumes the payload, so a second backward (``retain_graph=True``) works. A tensor saved
@@ -168,8 +172,8 @@ class SavedCompressed(Saved):
     pointwise.py)."""
 
     __slots__ = (
-        "decision", "expand_to", "hooks", "payload", "rotated", "table", "ticket", "view_to",
-        "witness",
+        "decision", "expand_to", "hooks", "payload", "rotated", "span", "table", "ticket",
+        "view_to", "witness",
     )  # fmt: skip
 
     def __init__(
@@ -187,6 +191,9 @@ class SavedCompressed(Saved):
         self.decision: Decision | None = None
         self.table: pointwise.DerivativeTable | None = None
         self.rotated: rotation.Rotated | None = None  # NOTE [Rotated groups]
+        # the dense block its elements fill as it unpacks, if they do (NOTE [Aliased saves]):
+        # storage offset of the first element, their count, whether contiguous
+        self.span: tuple[int, int, bool] | None = None
         swapper = hooks.swapper
         if swapper is not None and isinstance(payload, gact_kernels.PendingQuantize):
             payload = payload.result()  # a swapped-out payload is final
@@ -289,6 +296,59 @@ class SavedCompressed(Saved):
         return values
 
 
+class SavedView(Saved):
+    """A save of a view whose elements lie in the dense block of storage another save of this
+    forward compressed, held as that save (NOTE [Aliased saves]). Unpacks to the view of the
+    other save's tensor with this one's shape, strides and offset."""
+
+    __slots__ = ("offset", "rows", "shape", "source", "stride")
+
+    def __init__(self, tensor: torch.Tensor, source: SavedCompressed, offset: int) -> None:
+        super().__init__(tensor, source.key)
+        self.source, self.offset = source, offset
+        self.shape, self.stride = tensor.shape, tensor.stride()
+        # whether the view reads all of the block in memory order: the meter then reads the
+        # payload in the view's shape (NOTE [Measured sensitivities] in measured.py)
+        assert source.span is not None
+        _, numel, contiguous = source.span
+        self.rows = (
+            offset == 0 and numel == tensor.numel() and contiguous and tensor.is_contiguous()
+        )
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor, source: Saved | None) -> SavedView | None:
+        """``tensor`` held as ``source``, if its elements lie in ``source``'s block."""
+        if not isinstance(source, SavedCompressed) or source.span is None:
+            return None
+        start, numel, _ = source.span
+        if (
+            tensor.dtype != source.witness.dtype
+            or tensor.is_conj()  # lazy bits: other values (no span records them)
+            or tensor.is_neg()
+            or tensor.numel() == 0
+        ):
+            return None
+        first = tensor.storage_offset() - start
+        last = first + sum((n - 1) * st for n, st in zip(tensor.shape, tensor.stride()))
+        if first < 0 or last >= numel or min(tensor.stride(), default=0) < 0:
+            return None
+        return cls(tensor, source, first)
+
+    def _describe(self) -> str:
+        return _describe(self.source.witness.dtype, self.source.witness.device, self.shape)
+
+    def unpack(self) -> torch.Tensor:
+        self._check(self.source.witness)  # the view's own message (one version counter)
+        values = self.source.unpack()
+        if values.stride() != self.source.unpacked_stride():
+            raise GactError(
+                f"the save at {self.key!r} unpacked with strides {values.stride()}, not "
+                f"{self.source.unpacked_stride()}, so a view of it cannot be read back. This is "
+                "a GACT bug: please report it"
+            )
+        return values.as_strided(self.shape, self.stride, values.storage_offset() + self.offset)
+
+
 class _LiveTable:
     """Weak map from live tensors (same object, same version, same forward) to what ``pack``
     returned for them."""
@@ -370,6 +430,18 @@ class _LiveTable:
 # that needs one (a compiled fused attention's queries): the queries saved first by a
 # product at the level's width were read by the attention's backward at that width, 2 bits
 # short in eager code and 2 below ``ATTENTION_BITS`` in a compiled graph.
+# A view in another shape, or of part of the elements, is its own key there, so the output of an
+# activation that saves it (ReLU, tanh, sigmoid) on a tokens-by-features batch was stored again by
+# the next linear layer's 2-D view of it, and an attention's output by the output projection's
+# view of it (PyTorch's ``nn.TransformerEncoderLayer`` with ReLU and no dropout stored 1.31x what
+# it stores now, a tanh MLP on tokens 1.32x). So a compressed save records the dense block its
+# elements fill as it unpacks (``SavedCompressed.span``: none for tables, lazily negated or
+# conjugated tensors and tensors with gaps or overlaps, which unpack contiguous), and a view that
+# misses both tables and whose elements all lie in the block of its base's save, or of the first
+# compressed view of that base (a base saved after a view of it too), is held as that save
+# (``SavedView``: unpacked with the view's shape, strides and offset by ``as_strided``). The meter
+# reads a payload in the saved tensor's shape, so only a view of the whole block in memory order
+# is measured through it (``SavedView.rows``); the readers of other views are probed.
 
 
 class _LiveStorages:
@@ -508,6 +580,7 @@ class SaveHooks:
         self.ledger = ledger
         self.swapper = swapper
         self.live = _LiveTable()
+        self.view_blocks = _LiveTable()  # base -> a compressed view of it (NOTE [Aliased saves])
         self.boundaries = _LiveStorages()  # NOTE [Boundary saves], NOTE [Aliased saves]
         self.pending: collections.deque[SavedCompressed] = collections.deque()  # NOTE below
         self.unpacked = 0  # unpack calls so far: tells whether a closure ran a backward
@@ -590,6 +663,7 @@ class SaveHooks:
     def forward_started(self) -> None:
         """The controlled model's root forward starts: forget the last forward's saves."""
         self.live.clear()
+        self.view_blocks.clear()
         self.boundaries.clear()
         self._graphs_counted.clear()
 
@@ -694,17 +768,23 @@ class SaveHooks:
             return SavedShape(tensor, key)
         # a compiled graph may save it again (NOTE [Boundary saves]), another call another
         # view of its storage (NOTE [Aliased saves])
-        by_storage = bool(self.compiled_sites) or tensor._is_view()
+        view = tensor._is_view()
+        by_storage = bool(self.compiled_sites) or view
         hit = self._live_save(tensor, by_storage)
+        if hit is None:
+            hit = self._view_of_live_save(tensor, view)
         exact = region_input and not self.plan.config.compress_checkpoint_inputs
         if inside and self.tracker.compiled():  # eager code in a compiled forward
             self.on_compiled()
             exact = True  # see NOTE [Compiled forwards] in scope.py
-        if isinstance(hit, SavedCompressed) and (
-            hit.table is not None  # only the function's own backward reads a table (pointwise.py)
+        stored = hit.source if isinstance(hit, SavedView) else hit
+        if isinstance(stored, SavedCompressed) and (
+            stored.table is not None  # only the function's own backward reads a table
             or exact  # a compressed copy would not do,
             or (spec is not None and (spec.keeps(tensor) or spec.shapes(tensor)))
-        ):  # nor one with another call's width or groups (NOTE [Aliased saves])
+            # nor one with another call's width or groups (NOTE [Aliased saves]),
+            or (stored is not hit and spec is not None and spec.predicates)
+        ):  # nor decisions in another shape
             hit = None
         if hit is not None:
             self.ledger.deduplicated += 1
@@ -719,6 +799,8 @@ class SaveHooks:
             self._record_kept(key, tensor, kind)
         else:
             saved = self._compress(key, tensor, compact, spec)
+            if isinstance(saved, SavedCompressed):
+                self._spans(tensor, saved, view)
         if not (isinstance(saved, SavedCompressed) and saved.table is not None):
             self.live.add(tensor, saved, self.tracker.generation)
             if by_storage:
@@ -736,6 +818,34 @@ class SaveHooks:
             hit = self.boundaries.get(tensor, self.tracker.generation)
         return hit
 
+    def _view_of_live_save(self, tensor: torch.Tensor, view: bool) -> SavedView | None:
+        """``tensor`` held as this forward's compressed save of its base, or of the first
+        compressed view of that base (of ``tensor`` itself if it is no view), whose block
+        holds its elements (NOTE [Aliased saves])."""
+        if not view:
+            if not self.view_blocks:  # no view of anything compressed yet: no lookup
+                return None
+            return SavedView.of(tensor, self.view_blocks.get(tensor, self.tracker.generation))
+        forward = self.tracker.generation
+        base = tensor._base
+        found = SavedView.of(tensor, self.live.get(base, forward))
+        return found or SavedView.of(tensor, self.view_blocks.get(base, forward))
+
+    def _spans(self, tensor: torch.Tensor, saved: SavedCompressed, view: bool) -> None:
+        """Record where the elements of ``saved`` lie, if they fill a dense block as they
+        unpack, for views of them (NOTE [Aliased saves])."""
+        if (
+            saved.unpacked_stride() != tensor.stride()  # gaps, overlaps, tables, expanded
+            or tensor.is_conj()  # lazy bits: other values than the storage's
+            or tensor.is_neg()
+        ):
+            return
+        saved.span = (tensor.storage_offset(), tensor.numel(), tensor.is_contiguous())
+        if view:
+            forward = self.tracker.generation
+            if self.view_blocks.get(tensor._base, forward) is None:
+                self.view_blocks.add(tensor._base, saved, forward)
+
     def _kept_parameter(self, tensor: torch.Tensor) -> SavedKept:
         """A save of a parameter or buffer: state, counted and kept as it is."""
         self.ledger.record(_PARAM_KEY, tensor, Kind.PARAMETER, None, 0)
@@ -746,9 +856,12 @@ class SaveHooks:
         sensitivities] in measured.py): a quantized one, or one kept at full precision by an
         allocation, measured through a throwaway 8-bit quantization."""
         assert self.meter is not None
-        if isinstance(saved, SavedCompressed):
-            if isinstance(saved.known, gact_kernels.QuantizedTensor):
-                self.meter.saved(saved, tensor, spec)
+        if isinstance(saved, (SavedCompressed, SavedView)):
+            view = isinstance(saved, SavedView)
+            source = saved.source if view else saved
+            if isinstance(source.known, gact_kernels.QuantizedTensor):
+                # the meter reads the payload in the saved tensor's shape
+                self.meter.saved(source, tensor, spec, readable=not view or saved.rows)
         elif self.plan.bits.get(saved.key, 0) > 8:  # not quantizable otherwise: not an item
 
             def trial() -> gact_kernels.QuantizedTensor:
