@@ -302,6 +302,71 @@ def test_views_of_a_compressed_save_are_read_from_it(case: str, monkeypatch: Any
     assert not twice
 
 
+class _SequenceFirst(nn.Module):
+    """A sequence-first batch of one, turned batch-first: contiguous, with a stride on its
+    size-1 dimension that a contiguous tensor of its shape would not have (64, not T * 64)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(64))
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        first = y.transpose(0, 1) * self.w  # saves (1, T, 64) with strides (64, 64, 1)
+        second = y[:, 0, :] * self.w  # a view of the same base, inside its block
+        return first.sum() + second.sum()
+
+
+def test_a_view_of_a_rotated_save_with_a_size_one_dimension_unpacks() -> None:
+    """A rotated save unpacks with the strides it was saved with (it came back with those of a
+    contiguous tensor of its shape, and a view held as it raised in backward)."""
+    torch.manual_seed(0)
+    y = torch.randn(512, 1, 64)
+    y[:, :, 3] *= 100  # an outlier feature: the rotation wins
+    model = _SequenceFirst()
+    model(y).backward()
+    reference = model.w.grad.clone()
+    model.zero_grad()
+    with Controller(model, GactConfig.from_level("L1.1", min_numel=0)) as controller:
+        model(y).backward()
+        controller.step()
+    assert controller.stats()["deduplicated_saves"] >= 1
+    assert F.cosine_similarity(model.w.grad, reference, dim=0) > 0.999
+
+
+class _DataSwapped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.w = nn.Linear(64, 64), nn.Parameter(torch.ones(32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(self.lin(x))  # tanh saves y
+        y.data = torch.zeros_like(y)  # other storage, same version
+        return (y[:, :32] * self.w).sum()  # saves a view of the zeros
+
+
+def test_a_view_of_storage_swapped_under_a_save_is_not_read_from_it() -> None:
+    """``tensor.data = ...`` keeps the version: a view of the new storage is not the earlier
+    save's block (it read tanh's rounded output: a gradient of -5.4 where fp32's is 0)."""
+    torch.manual_seed(0)
+    model = _DataSwapped()
+    with Controller(model, GactConfig.from_level("L1.1", min_numel=0)) as controller:
+        model(torch.randn(256, 64)).backward()
+        controller.step()
+    assert torch.equal(model.w.grad, torch.zeros(32))
+
+
+def test_a_view_saved_outside_the_model_is_kept() -> None:
+    """A loss computed on a view of the model's output saves it outside the model: kept as it
+    is, as every save there is, even where the model compressed its base."""
+    torch.manual_seed(0)
+    model = _ActivationThenLinear(torch.tanh)
+    model.b = nn.Identity()  # the model's output is tanh's, which tanh saves
+    with Controller(model, GactConfig.from_level("L1", min_numel=0)) as controller:
+        (model(torch.randn(256, 64))[:, :16] ** 2).sum().backward()
+        controller.step()
+    assert controller.stats()["outside_tensors"] == 1
+
+
 def test_in_place_change_of_an_activation_output_read_through_a_view_raises() -> None:
     """A view stored as its base's save checks the version counter they share, and PyTorch's
     message names the view."""

@@ -70,13 +70,15 @@ def _block_size(group_size: int) -> int:
 @dataclass(frozen=True)
 class Rotated:
     """How a rotated save is restored: its block, whether it was finite (a 0-d bool tensor on
-    its device: if not, its payload holds it unrotated), its type and shape, and the seed of the
-    stochastic rounding back to a narrower type."""
+    its device: if not, its payload holds it unrotated), its type, shape and strides (those of
+    a contiguous tensor but on dimensions of size 1), and the seed of the stochastic rounding
+    back to a narrower type."""
 
     block: int
     finite: torch.Tensor
     dtype: torch.dtype
     shape: torch.Size
+    stride: tuple[int, ...]
     seed: int
 
     def restore(self, values: torch.Tensor) -> torch.Tensor:
@@ -88,7 +90,7 @@ class Rotated:
             lambda: gact_kernels.unrotate(values, self.block, dtype=self.dtype, seed=self.seed),
             lambda: values.to(self.dtype),
         )
-        return back.view(self.shape)
+        return back.as_strided(self.shape, self.stride)  # as saved: unpacked_stride() tells
 
     def held_form(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` (the one saved) in the form its payload holds, float32: rotated, or as it
@@ -121,7 +123,7 @@ def rotate(data: torch.Tensor, *, group_size: int, seed: int) -> tuple[torch.Ten
     rotated = gact_kernels.rotate(data, block)
     finite = torch.isfinite(rotated.sum())  # a non-finite element spoils its block's sums
     source = _select(finite, lambda: rotated, lambda: data.float())
-    return source, Rotated(block, finite, data.dtype, data.shape, seed ^ _ROUND_SALT)
+    return source, Rotated(block, finite, data.dtype, data.shape, data.stride(), seed ^ _ROUND_SALT)
 
 
 def _select(

@@ -192,8 +192,8 @@ class SavedCompressed(Saved):
         self.table: pointwise.DerivativeTable | None = None
         self.rotated: rotation.Rotated | None = None  # NOTE [Rotated groups]
         # the dense block its elements fill as it unpacks, if they do (NOTE [Aliased saves]):
-        # storage offset of the first element, their count, whether contiguous
-        self.span: tuple[int, int, bool] | None = None
+        # the storage's address, the offset of the first element, their count, contiguous
+        self.span: tuple[int, int, int, bool] | None = None
         swapper = hooks.swapper
         if swapper is not None and isinstance(payload, gact_kernels.PendingQuantize):
             payload = payload.result()  # a swapped-out payload is final
@@ -310,7 +310,7 @@ class SavedView(Saved):
         # whether the view reads all of the block in memory order: the meter then reads the
         # payload in the view's shape (NOTE [Measured sensitivities] in measured.py)
         assert source.span is not None
-        _, numel, contiguous = source.span
+        _, _, numel, contiguous = source.span
         self.rows = (
             offset == 0 and numel == tensor.numel() and contiguous and tensor.is_contiguous()
         )
@@ -320,9 +320,10 @@ class SavedView(Saved):
         """``tensor`` held as ``source``, if its elements lie in ``source``'s block."""
         if not isinstance(source, SavedCompressed) or source.span is None:
             return None
-        start, numel, _ = source.span
+        storage, start, numel, _ = source.span
         if (
-            tensor.dtype != source.witness.dtype
+            tensor.untyped_storage().data_ptr() != storage  # ``.data`` swapped since
+            or tensor.dtype != source.witness.dtype
             or tensor.is_conj()  # lazy bits: other values (no span records them)
             or tensor.is_neg()
             or tensor.numel() == 0
@@ -439,9 +440,11 @@ class _LiveTable:
 # conjugated tensors and tensors with gaps or overlaps, which unpack contiguous), and a view that
 # misses both tables and whose elements all lie in the block of its base's save, or of the first
 # compressed view of that base (a base saved after a view of it too), is held as that save
-# (``SavedView``: unpacked with the view's shape, strides and offset by ``as_strided``). The meter
-# reads a payload in the saved tensor's shape, so only a view of the whole block in memory order
-# is measured through it (``SavedView.rows``); the readers of other views are probed.
+# (``SavedView``: unpacked with the view's shape, strides and offset by ``as_strided``), if it is
+# saved in the model and its storage is still the one the block was recorded on (``tensor.data =
+# ...`` swaps a storage without a new version). The meter reads a payload in the saved tensor's
+# shape, so only a view of the whole block in memory order is measured through it
+# (``SavedView.rows``); the readers of other views are probed.
 
 
 class _LiveStorages:
@@ -771,7 +774,7 @@ class SaveHooks:
         view = tensor._is_view()
         by_storage = bool(self.compiled_sites) or view
         hit = self._live_save(tensor, by_storage)
-        if hit is None:
+        if hit is None and inside:  # outside, saves are kept (NOTE [What autograd holds])
             hit = self._view_of_live_save(tensor, view)
         exact = region_input and not self.plan.config.compress_checkpoint_inputs
         if inside and self.tracker.compiled():  # eager code in a compiled forward
@@ -840,7 +843,10 @@ class SaveHooks:
             or tensor.is_neg()
         ):
             return
-        saved.span = (tensor.storage_offset(), tensor.numel(), tensor.is_contiguous())
+        saved.span = (
+            tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.numel(),
+            tensor.is_contiguous(),
+        )  # fmt: skip
         if view:
             forward = self.tracker.generation
             if self.view_blocks.get(tensor._base, forward) is None:
