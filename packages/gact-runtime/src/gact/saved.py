@@ -49,8 +49,9 @@ _PARAM_KEY = "<parameters>"  # ledger key of every parameter/buffer save
 # exactly as long as it would have kept the tensor, so there is no side table, no reference count
 # and nothing to leak when a backward never runs: the graph's death frees the payload. ``unpack``
 # never consumes the payload, so a second backward (``retain_graph=True``) works. A tensor saved
-# by several ops (same object, same version, same forward) is stored and counted once, whatever
-# the level: a weak table maps live tensors to what their first save returned.
+# by several ops (same object, version, storage and forward: ``tensor.data = ...`` swaps the
+# storage and keeps the version) is stored and counted once, whatever the level: a weak table
+# maps live tensors to what their first save returned.
 #
 # NOTE [Version check]
 # With saved-tensor hooks installed autograd no longer checks that a saved tensor was not
@@ -72,6 +73,12 @@ def _version_witness(tensor: torch.Tensor) -> torch.Tensor:
     witness.set_()
     torch._C._autograd._unsafe_set_version_counter((witness,), (version,))
     return witness
+
+
+def _address(tensor: torch.Tensor) -> int:
+    """The address of ``tensor``'s storage (0 for a layout without one): ``tensor.data = ...``
+    changes it and not the version."""
+    return tensor.untyped_storage().data_ptr() if tensor.layout is torch.strided else 0
 
 
 def _describe(dtype: torch.dtype, device: torch.device, shape: Sequence[int]) -> str:
@@ -322,7 +329,7 @@ class SavedView(Saved):
             return None
         storage, start, numel, _ = source.span
         if (
-            tensor.untyped_storage().data_ptr() != storage  # ``.data`` swapped since
+            _address(tensor) != storage  # ``.data`` swapped since
             or tensor.dtype != source.witness.dtype
             or tensor.is_conj()  # lazy bits: other values (no span records them)
             or tensor.is_neg()
@@ -351,11 +358,11 @@ class SavedView(Saved):
 
 
 class _LiveTable:
-    """Weak map from live tensors (same object, same version, same forward) to what ``pack``
+    """Weak map from live tensors (same object, version, storage and forward) to what ``pack``
     returned for them."""
 
     def __init__(self) -> None:
-        self._entries: dict[int, tuple[weakref.ref, int, weakref.ref, int]] = {}
+        self._entries: dict[int, tuple[weakref.ref, int, weakref.ref, int, int]] = {}
 
     def get(self, tensor: torch.Tensor, forward: int) -> Saved | None:
         entry = self._entries.get(id(tensor))
@@ -364,6 +371,7 @@ class _LiveTable:
             or entry[0]() is not tensor
             or entry[1] != tensor._version
             or entry[3] != forward
+            or entry[4] != _address(tensor)
         ):
             return None
         return entry[2]()
@@ -382,6 +390,7 @@ class _LiveTable:
             tensor._version,
             weakref.ref(saved, forget),
             forward,
+            _address(tensor),
         )
 
     def clear(self) -> None:
@@ -844,9 +853,11 @@ class SaveHooks:
         ):
             return
         saved.span = (
-            tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.numel(),
+            _address(tensor),
+            tensor.storage_offset(),
+            tensor.numel(),
             tensor.is_contiguous(),
-        )  # fmt: skip
+        )
         if view:
             forward = self.tracker.generation
             if self.view_blocks.get(tensor._base, forward) is None:
