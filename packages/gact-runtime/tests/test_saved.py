@@ -462,6 +462,31 @@ def test_a_view_of_a_measured_save_is_measured_under_its_key() -> None:
     assert measured[True] == pytest.approx(measured[False], rel=1e-5)
 
 
+class _TransposedReader(nn.Module):
+    """A linear layer reads an activation, a product with a parameter its transpose."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.u = nn.Linear(64, 64), nn.Parameter(torch.randn(256, 64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * 1.5
+        return self.a(h).sum() + (h.t() @ self.u).sum()
+
+
+def test_a_view_in_another_order_is_probed_not_measured() -> None:
+    """The meter reads a payload in the saved tensor's shape: a transposed view held as the
+    save is not measured through it (its mass per row would be another tensor's), so the key
+    goes to the probes (NOTE [Aliased saves])."""
+    torch.manual_seed(0)
+    model = _TransposedReader()
+    config = GactConfig.from_level("L1", min_numel=0)
+    controller, meter = measured_step(model, config, lambda: model(torch.randn(256, 64)).backward())
+    assert controller.stats()["deduplicated_saves"] == 1
+    assert meter.sensitivities() == {}
+    assert meter.probed == meter.seen
+
+
 def test_small_and_integer_tensors_are_kept() -> None:
     emb = nn.Embedding(100, 16)
     model = nn.Sequential(emb, nn.Flatten(), nn.Linear(16 * 8, 4))
