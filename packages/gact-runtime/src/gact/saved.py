@@ -338,7 +338,7 @@ class SavedView(Saved):
             return None
         first = tensor.storage_offset() - start
         last = first + sum((n - 1) * st for n, st in zip(tensor.shape, tensor.stride()))
-        if first < 0 or last >= numel or min(tensor.stride(), default=0) < 0:
+        if first < 0 or last >= numel:
             return None
         return cls(tensor, source, first)
 
