@@ -620,3 +620,16 @@ def test_view_saves(tmp_path, script):
 def test_view_saves_rejects_unknown_models(script):
     with pytest.raises(SystemExit):
         script("view_saves.py").main(["--models", "resnet"])
+
+
+def test_view_saves_fresh_processes(script):
+    """``--fresh`` measures each model and level in its own process: the peak resident size of
+    its steps, GACT's statistics as in-process."""
+    argv = "--models tanh-mlp --levels fp32,L1 --batch 2 --tokens 16 --width 32 --steps 2"
+    fresh = script("view_saves.py").main([*argv.split(), "--fresh", "--malloc", "tuned"])
+    here = script("view_saves.py").main(argv.split())
+    assert [r["level"] for r in fresh] == ["fp32", "L1"]
+    assert all(r["peak_rss_growth_bytes"] >= 0 and r["malloc"] == "tuned" for r in fresh)
+    for key in ("stored_bytes", "original_bytes", "deduplicated_saves"):
+        assert [r[key] for r in fresh] == [r[key] for r in here]
+    assert fresh[1]["deduplicated_saves"] == 1 and fresh[0]["stored_bytes"] == 0
