@@ -1,7 +1,8 @@
 """Breadth: on every architecture of ``hf_architectures.py``, in fp32, under bfloat16 autocast and
-with transformers' gradient checkpointing, level L0 gives gradients bit-identical to PyTorch's
-and the mean of four L1 gradients (four rounding seeds, the same dropout masks) points where the
-exact gradient points.
+with transformers' gradient checkpointing (and on a few of them under float16 autocast, in
+channels-last memory, with frozen base weights and with a gradient penalty), level L0 gives
+gradients bit-identical to PyTorch's and the mean of four L1 gradients (four rounding seeds,
+the same dropout masks) points where the exact gradient points.
 
 What the second check catches: a save unpacked as the wrong tensor, a decision (a mask, a
 maximum's position) taken from rounded values, a dtype or layout restored wrongly. Checked by
@@ -31,29 +32,57 @@ SEEDS = 4
 MIN_COSINE = 0.98
 NORM_TOLERANCE = 0.1
 MODES = ("fp32", "bf16-autocast", "checkpointing")
+#: more of what users do, each on a few architectures
+MORE_MODES = {
+    "fp16-autocast": ("mistral", "roberta", "mamba", "resnet", "swin"),
+    "channels-last": ("resnet", "convnext", "mobilenet_v2", "regnet", "swin"),
+    # LoRA-style: the base weights frozen, only the attention's queries and values and the head
+    "frozen-base": ("mistral", "qwen2", "gemma2", "roberta"),
+    # a gradient penalty: the backward itself differentiated (create_graph=True)
+    "gradient-penalty": ("roberta", "resnet", "convnext", "swin"),
+}
+_TRAINED = ("q_proj", "v_proj", "query", "value", "classifier", "score")
+_AUTOCAST = {"bf16-autocast": torch.bfloat16, "fp16-autocast": torch.float16}
 
 
 def _gradients(model: torch.nn.Module, loss_fn, mode: str, level: str | None, seed: int = 0):
     """The loss and the flat gradient of one forward and backward (dropout seed 0)."""
     model.zero_grad(set_to_none=True)
     torch.manual_seed(0)
-    autocast = (
-        torch.autocast("cpu", dtype=torch.bfloat16)
-        if mode == "bf16-autocast"
-        else contextlib.nullcontext()
-    )
+    dtype = _AUTOCAST.get(mode)
+    autocast = contextlib.nullcontext() if dtype is None else torch.autocast("cpu", dtype=dtype)
     controller = (
         None if level is None else Controller(model, GactConfig.from_level(level, seed=seed))
     )
     with controller or contextlib.nullcontext(), autocast:
         loss = loss_fn()
+        if mode == "gradient-penalty":
+            grads = torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
+            loss = loss + sum(g.square().sum() for g in grads)
         loss.backward()
     grads = [p.grad.reshape(-1).float() for p in model.parameters() if p.grad is not None]
     return loss.detach(), torch.cat(grads), controller
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("model_type", list(ARCHITECTURES))
+def _prepare(model: torch.nn.Module, model_type: str, mode: str) -> None:
+    if mode == "checkpointing":
+        if not model.supports_gradient_checkpointing:
+            pytest.skip(f"{model_type} does not support gradient checkpointing")
+        # (transformers 5 renamed it; the old name warns)
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        (enable or model.gradient_checkpointing_enable)()
+    elif mode == "channels-last":
+        model.to(memory_format=torch.channels_last)
+    elif mode == "frozen-base":
+        for name, parameter in model.named_parameters():
+            parameter.requires_grad_(any(part in name for part in _TRAINED))
+
+
+@pytest.mark.parametrize(
+    ("model_type", "mode"),
+    [(name, mode) for name in ARCHITECTURES for mode in MODES]
+    + [(name, mode) for mode, names in MORE_MODES.items() for name in names],
+)
 def test_level_zero_is_exact_and_level_one_points_at_the_exact_gradient(
     model_type: str, mode: str
 ) -> None:
@@ -61,12 +90,7 @@ def test_level_zero_is_exact_and_level_one_points_at_the_exact_gradient(
         model, loss_fn = build(model_type)
     except ValueError as error:  # a model type this transformers does not have
         pytest.skip(str(error))
-    if mode == "checkpointing":
-        if not model.supports_gradient_checkpointing:
-            pytest.skip(f"{model_type} does not support gradient checkpointing")
-        # (transformers 5 renamed it; the old name warns)
-        enable = getattr(model, "activation_checkpointing_enable", None)
-        (enable or model.gradient_checkpointing_enable)()
+    _prepare(model, model_type, mode)
     with warnings.catch_warnings():
         warnings.simplefilter("error", GactWarning)  # e.g. a decision GACT did not see
         loss, exact, _ = _gradients(model, loss_fn, mode, None)
