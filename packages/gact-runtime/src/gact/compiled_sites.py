@@ -91,14 +91,14 @@ _ALIASES = {
 # Uses that pass the tensor on unchanged (followed to their own users): aliases and copies.
 VIEWS = _ALIASES | {
     "aten.reshape", "aten.flatten", "aten.clone", "aten.contiguous", "aten._to_copy",
-    "prims.convert_element_type",
+    "prims.convert_element_type", "aten.flip", "aten.roll", "aten.cat", "aten.stack",
 }  # fmt: skip
 # Uses whose result is linear in the tensor or a smooth function of it: compressed, as eager
 # code compresses the saves of these functions' inputs and outputs.
 _TOLERANT = {
     "aten.mm", "aten.bmm", "aten.addmm", "aten.baddbmm", "aten.matmul", "aten.convolution_backward",
     "aten.convolution", "aten.mul", "aten.add", "aten.sub", "aten.rsub", "aten.neg", "aten.sum",
-    "aten.mean", "aten.where", "aten.exp", "aten.erf", "aten.tanh", "aten.sigmoid", "aten.pow",
+    "aten.mean", "aten.where", "aten.exp", "aten.erf", "aten.tanh", "aten.sigmoid",
     "aten.gelu", "aten.silu", "aten.gelu_backward", "aten.silu_backward",
     "aten.sigmoid_backward", "aten.tanh_backward",
     "aten._softmax_backward_data", "aten._log_softmax_backward_data",
@@ -125,6 +125,19 @@ _ATTENTION = {
     "aten._flash_attention_backward": ((1, 2), 5),
 }
 _RECIPROCALS = {"aten.rsqrt", "aten.reciprocal"}
+# Outputs whose backward divides by the inputs or shares the gradient among ties (NOTE [Exact
+# decisions] in decisions.py): kept, as eager code keeps the saves of these calls.
+_TIES_OR_PRODUCTS = {
+    "aten.prod", "aten.cumprod", "aten.scatter_reduce", "aten.index_reduce",
+    "aten.segment_reduce",
+}  # fmt: skip
+# Backward uses that find ties (``eq``: a maximum's gradient shared among the values equal to
+# it), multiply the other inputs of a product together (dividing by one where none is 0) or
+# divide by distances: kept, as eager code keeps these calls' saves.
+_TIES_OR_DIVISIONS = {
+    "aten.eq", "aten.ne", "aten.prod", "aten.cumprod", "aten.scatter_reduce",
+    "aten._cdist_backward", "aten._pdist_backward", "aten._segment_reduce_backward",
+}  # fmt: skip
 _MATMULS = {"aten.mm", "aten.bmm", "aten.addmm", "aten.baddbmm", "aten.convolution_backward"}
 # Reductions, and the outputs of fused ops that are statistics (per row or channel).
 _REDUCTIONS = {
@@ -256,8 +269,13 @@ class CompiledSite:
             return cls(keep=f"fewer than min_numel={config.min_numel} elements", **site)
         if not val.is_floating_point():
             return cls(keep=None, **site)  # bool and integer tensors: packed losslessly
-        if op_name(node) in _RECIPROCALS:
+        made_by = op_name(_aliased(node))
+        if made_by in _RECIPROCALS:
             return cls(keep="a reciprocal (divides in the backward)", **site)
+        if made_by in _TIES_OR_PRODUCTS or (
+            made_by == "aten.pow" and isinstance(_aliased(node).args[1], torch.fx.Node)
+        ):  # (a power with a tensor exponent: as eager code keeps its saves)
+            return cls(keep=f"made by {made_by} (ties or divisions in the backward)", **site)
         placeholder = _placeholder(context["_bw_graph"], node.name)
         uses = _uses(placeholder)
         # the saved tensor itself, where it is an exponential (aot_eager saves exp(-h) of a
@@ -277,6 +295,12 @@ class CompiledSite:
                 continue
             if op in _RECIPROCALS:
                 if not _at_least_a_constant(use.args[0], exp):
+                    return cls(keep="a divisor", **site)
+                continue
+            if op in _TIES_OR_DIVISIONS:
+                return cls(keep=f"{op} finds ties, or divides by it", **site)
+            if op == "aten.pow":  # x ** p: unbounded near 0 for p < 0; p ** x is smooth
+                if position == 0 and not (_constant(use, 1) and use.args[1] >= 0):
                     return cls(keep="a divisor", **site)
                 continue
             predicate = _decision(use, position)

@@ -46,8 +46,13 @@ __all__ = [
 #   ``x >= t``. A compressed save made during the call gets, per predicate, the exact outcome as a
 #   1-bit ``PackedMask`` (its bytes are counted in ``stats()`` and in the adaptive budget).
 # - ``exact``: the backward compares the saved tensor with another tensor (``maximum``, ``amax``,
-#   ``max()``, inf-norms, the margin and L1-type losses), or a threshold is not representable in
-#   the tensor's dtype; saves made during the call are kept uncompressed.
+#   ``max()``, inf-norms, the margin and L1-type losses, the maximum and minimum reductions of
+#   ``scatter_reduce``, ``index_reduce`` and ``segment_reduce``, whose ties share the gradient),
+#   or divides by a saved tensor or its logarithm in a way that is unbounded near 0 (``log``,
+#   ``sqrt``, ``rsqrt``, powers below 1, ``prod`` and product reductions, ``atan2``, ``xlogy``,
+#   distances), or a threshold is not representable in the tensor's dtype; saves made during the
+#   call are kept uncompressed. Rounded, a maximum's ties came out empty (PyG's max aggregation:
+#   NaN gradients, 0 / 0) and ``log`` of a rounded input near 0 put gradients off by 100%.
 # - ``exact_ids``: the ids of the call's arguments that are kept uncompressed when saved, the
 #   others being compressed as usual: the divisor of ``a / b``, whose backward (``g / b`` and
 #   ``-g a / b**2``) is nonlinear in it and unbounded as it nears 0, while per-group rounding
@@ -134,6 +139,19 @@ DECISION_NODES = frozenset(
         "SmoothL1LossBackward",
         "HuberLossBackward",
         "L1LossBackward",
+        "ProdBackward",
+        "CumprodBackward",
+        "LogBackward",
+        "Log2Backward",
+        "Log10Backward",
+        "Log1PBackward",
+        "SqrtBackward",
+        "RsqrtBackward",
+        "Atan2Backward",
+        "XlogyBackward",
+        "CdistBackward",
+        "PdistBackward",
+        "DistBackward",
     }
 )
 
@@ -342,6 +360,29 @@ def _divisor(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None
     return (
         DecisionSpec(exact_ids=frozenset({id(other)})) if isinstance(other, torch.Tensor) else None
     )
+
+
+_TIES_OR_PRODUCTS = frozenset({"amax", "amin", "max", "min", "prod"})
+
+
+def _reduction(position: int) -> _Rule:
+    """Rule of a scatter, index or segment reduction whose ``reduce`` argument is at
+    ``position``: a maximum or minimum shares the gradient among the values equal to the
+    result, a product divides by them (NOTE [Exact decisions]); a sum or mean reads nothing."""
+
+    def rule(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
+        return _EXACT if _arg(args, kwargs, position, "reduce", None) in _TIES_OR_PRODUCTS else None
+
+    return rule
+
+
+def _power(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
+    """``x ** p``: its backward's ``x ** (p - 1)`` is unbounded near 0 for ``p < 1`` (and a
+    tensor exponent's reads ``log x``); a number raised to a tensor reads only the output."""
+    if not isinstance(_arg(args, kwargs, 0, "input", None), torch.Tensor):
+        return None
+    p = _scalar(_arg(args, kwargs, 1, "exponent", None))
+    return None if p is not None and (p >= 1 or p == 0) else _EXACT
 
 
 def _gelu(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
@@ -594,6 +635,17 @@ def _rules() -> dict[Callable[..., Any], _Rule]:
     add(exact, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.hinge_embedding_loss)
     add(exact, F.margin_ranking_loss, F.triplet_margin_loss, F.multi_margin_loss)
     add(exact, F.multilabel_margin_loss)
+    add(exact, torch.log, torch.log2, torch.log10, torch.log1p, T.log, T.log_, T.log2, T.log2_)
+    add(exact, T.log10, T.log10_, T.log1p, T.log1p_, torch.sqrt, T.sqrt, T.sqrt_)
+    add(exact, torch.rsqrt, T.rsqrt, T.rsqrt_, torch.prod, T.prod, torch.cumprod, T.cumprod)
+    add(exact, T.cumprod_, torch.atan2, torch.arctan2, T.atan2, T.atan2_, T.arctan2, T.arctan2_)
+    add(exact, torch.xlogy, T.xlogy, T.xlogy_, torch.special.xlogy, torch.special.xlog1py)
+    add(exact, torch.cdist, torch.pdist, F.pdist, torch.dist, T.dist)
+    add(_power, torch.pow, T.pow, T.pow_, T.__pow__, T.__ipow__, torch.float_power)
+    add(_power, T.float_power, T.float_power_)
+    add(_reduction(4), torch.scatter_reduce, T.scatter_reduce, T.scatter_reduce_)
+    add(_reduction(4), torch.index_reduce, T.index_reduce, T.index_reduce_)
+    add(_reduction(1), torch.segment_reduce)
     add(_divisor, torch.div, torch.divide, torch.true_divide, T.div, T.div_, T.divide, T.divide_)
     add(_divisor, T.true_divide, T.true_divide_, T.__truediv__, T.__itruediv__)
     add(_gelu, F.gelu)

@@ -1105,10 +1105,10 @@ class SaveHooks:
         if key not in self._warned_missed:
             self._warned_missed.add(key)
             warnings.warn(
-                f"{node} took a decision from the compressed tensor saved at {key!r} without an "
-                "exact mask, so this gradient may be slightly biased; the tensor is kept "
-                "uncompressed from the next forward on. Please report the operator that saved "
-                "it to GACT.",
+                f"{node} read the compressed tensor saved at {key!r} without an exact mask "
+                "(to take a decision, find ties or divide by it), so this gradient may be "
+                "biased; the tensor is kept uncompressed from the next forward on. Please "
+                "report the operator that saved it to GACT.",
                 GactWarning,
                 stacklevel=2,
             )
