@@ -232,8 +232,18 @@ def _scatter(reduce: str, how: str) -> Callable[[torch.Tensor], torch.Tensor]:
     return act
 
 
-# Backwards that compare a saved tensor with the result (ties share the gradient) or divide by
-# it (unbounded as it nears 0): their saves are kept exact, so the gradient reaching their input
+def _matrices(h: torch.Tensor, f: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``f`` of ``h`` read as 1,024 matrices of 4 x 4, its result spread back to ``h``'s shape."""
+    out = f(h.view(1024, 4, 4)).reshape(1024, -1)
+    return out.repeat_interleave(16 // out.shape[1], 1).view(64, 256)
+
+
+# a constant image (a parameter, never compressed) sampled at a grid computed from h
+_IMAGE = nn.Parameter(torch.randn(1, 2, 16, 16, generator=torch.Generator().manual_seed(2)))
+
+# Backwards that compare a saved tensor with the result (ties share the gradient), divide by
+# it (unbounded as it nears 0), solve with it or divide by its eigenvalue gaps, or floor it (a
+# sampling grid's coordinates): their saves are kept exact, so the gradient reaching their input
 # is the fp32 one bit for bit. Before these were known, the ties of PyG's max aggregation came
 # out empty after rounding (NaN gradients: 0 / 0 ties) and log's saved input rounded near 0 put
 # the gradient off by 100%.
@@ -261,11 +271,42 @@ TIES_OR_DIVISIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "cdist": lambda h: torch.cdist(h.view(64, 16, 16), h.view(64, 16, 16).flip(1)).view(64, 256),
 }
 
+# The same in eager code: inverses, factorisations and spectra, whose backwards solve with what
+# they saved or divide by its eigenvalue gaps, functions whose derivative is unbounded inside
+# their domain, and a sampling grid, whose coordinates the backward floors to pick cells. (In a
+# compiled graph their backward ops are unknown to GACT, which keeps what they read and warns.)
+EAGER_ONLY: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "hypot": lambda h: torch.hypot(h, h.flip(0)),
+    "lgamma": lambda h: torch.lgamma(h.abs() + 0.1),
+    "Tensor.digamma": lambda h: (h.abs() + 0.1).digamma(),
+    "erfinv": lambda h: torch.erfinv(h.clamp(-0.99, 0.99)),
+    "asin": lambda h: torch.asin(h.clamp(-0.99, 0.99)),
+    "atanh": lambda h: torch.atanh(h.clamp(-0.99, 0.99)),
+    "linalg.inv": lambda h: _matrices(h, lambda a: torch.linalg.inv(a + 4 * torch.eye(4))),
+    "linalg.solve": lambda h: _matrices(
+        h, lambda a: torch.linalg.solve(a + 4 * torch.eye(4), a.mT)
+    ),
+    "det": lambda h: _matrices(h, lambda a: torch.det(a)),
+    "linalg.slogdet": lambda h: _matrices(h, lambda a: torch.linalg.slogdet(a).logabsdet),
+    "linalg.cholesky": lambda h: _matrices(
+        h, lambda a: torch.linalg.cholesky(4 * torch.eye(4) + 0.1 * (a + a.mT))
+    ),
+    "linalg.eigh": lambda h: _matrices(h, lambda a: torch.linalg.eigh(a + a.mT).eigenvectors.abs()),
+    "linalg.qr": lambda h: _matrices(h, lambda a: torch.linalg.qr(a).R),
+    "linalg.svdvals": lambda h: _matrices(h, torch.linalg.svdvals),
+    "grid_sample": lambda h: F.grid_sample(
+        _IMAGE, h.view(1, 64, 128, 2).clamp(-1, 1), align_corners=False
+    ).view(64, 256),
+}
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "aot_eager"])
-@pytest.mark.parametrize("name", list(TIES_OR_DIVISIONS))
+
+@pytest.mark.parametrize(
+    ("name", "compiled"),
+    [(name, compiled) for name in TIES_OR_DIVISIONS for compiled in (False, True)]
+    + [(name, False) for name in EAGER_ONLY],
+)
 def test_ties_and_divisions_keep_their_saves_exact(name: str, compiled: bool) -> None:
-    model, closure, exact = _head_run(TIES_OR_DIVISIONS[name], torch.float32)
+    model, closure, exact = _head_run({**TIES_OR_DIVISIONS, **EAGER_ONLY}[name], torch.float32)
     if compiled:  # the backward graph decides (NOTE [Compiled saves] in compiled.py)
         torch._dynamo.reset()
         model.forward = torch.compile(model.forward, backend="aot_eager")  # type: ignore[method-assign]

@@ -50,14 +50,16 @@ __all__ = [
 #   ``scatter_reduce``, ``index_reduce`` and ``segment_reduce``, whose ties share the gradient),
 #   or divides by a saved tensor or its logarithm in a way that is unbounded near 0 (``log``,
 #   ``sqrt``, ``rsqrt``, powers below 1, ``prod`` and product reductions, ``atan2``, ``xlogy``,
-#   distances), or a threshold is not representable in the tensor's dtype; saves made during the
-#   call are kept uncompressed. Rounded, a maximum's ties came out empty (PyG's max aggregation:
+#   distances, ``lgamma``, ``asin``), or solves with it or divides by its eigenvalue gaps (the
+#   inverses, factorisations and spectra of ``torch.linalg``), or a threshold is not
+#   representable in the tensor's dtype; saves made during the call are kept uncompressed. Rounded, a maximum's ties came out empty (PyG's max aggregation:
 #   NaN gradients, 0 / 0) and ``log`` of a rounded input near 0 put gradients off by 100%.
 # - ``exact_ids``: the ids of the call's arguments that are kept uncompressed when saved, the
 #   others being compressed as usual: the divisor of ``a / b``, whose backward (``g / b`` and
 #   ``-g a / b**2``) is nonlinear in it and unbounded as it nears 0, while per-group rounding
 #   gives a small divisor among large ones a relative error of up to a whole step (the GAT
-#   example's attention normaliser measured a sensitivity 100-1000x any other tensor's).
+#   example's attention normaliser measured a sensitivity 100-1000x any other tensor's), and
+#   the grid of ``grid_sample``, whose coordinates the backward floors to pick cells.
 # After the call, the class name of the output's ``grad_fn`` (e.g. ``LeakyReluBackward0``) is
 # recorded as a *consumer* of those decisions. At unpack, ``torch._C._current_autograd_node()``
 # names the node that is unpacking: a consumer gets the dequantized values clamped into the exact
@@ -152,6 +154,26 @@ DECISION_NODES = frozenset(
         "CdistBackward",
         "PdistBackward",
         "DistBackward",
+        "LinalgInvExBackward",
+        "LinalgSolveExBackward",
+        "LinalgDetBackward",
+        "LinalgSlogdetBackward",
+        "LinalgCholeskyExBackward",
+        "LinalgEighBackward",
+        "LinalgEigBackward",
+        "LinalgQrBackward",
+        "LinalgSvdBackward",
+        "LinalgPinvBackward",
+        "LinalgLstsqBackward",
+        "HypotBackward",
+        "LgammaBackward",
+        "DigammaBackward",
+        "PolygammaBackward",
+        "ErfinvBackward",
+        "AsinBackward",
+        "AcosBackward",
+        "AtanhBackward",
+        "AcoshBackward",
     }
 )
 
@@ -374,6 +396,29 @@ def _reduction(position: int) -> _Rule:
         return _EXACT if _arg(args, kwargs, position, "reduce", None) in _TIES_OR_PRODUCTS else None
 
     return rule
+
+
+_LINALG = (
+    "inv", "inv_ex", "solve", "solve_ex", "solve_triangular", "det", "slogdet", "cholesky",
+    "cholesky_ex", "eigh", "eigvalsh", "eig", "eigvals", "qr", "svd", "svdvals", "pinv",
+    "lstsq", "lu", "lu_factor", "lu_factor_ex", "lu_solve", "ldl_factor", "tensorinv",
+    "tensorsolve", "cond", "matrix_rank",
+)  # fmt: skip
+# functions (and Tensor methods) with those backwards, and elementwise ones whose derivative is
+# unbounded inside their domain (lgamma's digamma near 0, asin's 1 / sqrt(1 - x**2) near 1)
+_INVERSES = (
+    "inverse", "det", "logdet", "slogdet", "cholesky", "cholesky_solve", "cholesky_inverse",
+    "triangular_solve", "svd", "qr", "pinverse", "lu_solve", "hypot", "lgamma", "digamma",
+    "polygamma", "mvlgamma", "erfinv", "asin", "arcsin", "acos", "arccos", "atanh", "arctanh",
+    "acosh", "arccosh",
+)  # fmt: skip
+
+
+def _grid(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
+    """``grid_sample``: its backward floors the grid's coordinates to pick each sample's cell
+    (a decision per coordinate) and weighs by their fractions; the input is read linearly."""
+    grid = _arg(args, kwargs, 1, "grid", None)
+    return DecisionSpec(exact_ids=frozenset({id(grid)})) if isinstance(grid, torch.Tensor) else None
 
 
 def _power(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
@@ -643,6 +688,13 @@ def _rules() -> dict[Callable[..., Any], _Rule]:
     add(exact, torch.cdist, torch.pdist, F.pdist, torch.dist, T.dist)
     add(_power, torch.pow, T.pow, T.pow_, T.__pow__, T.__ipow__, torch.float_power)
     add(_power, T.float_power, T.float_power_)
+    # inverses, factorisations and spectra: their backwards solve with what they saved, or
+    # divide by the gaps between its eigenvalues or singular values
+    for name in _LINALG:
+        add(exact, getattr(torch.linalg, name, None))
+    for name in _INVERSES:
+        add(exact, getattr(torch, name, None), getattr(T, name, None))
+    add(_grid, F.grid_sample)
     add(_reduction(4), torch.scatter_reduce, T.scatter_reduce, T.scatter_reduce_)
     add(_reduction(4), torch.index_reduce, T.index_reduce, T.index_reduce_)
     add(_reduction(1), torch.segment_reduce)
