@@ -294,6 +294,9 @@ EAGER_ONLY: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "linalg.eigh": lambda h: _matrices(h, lambda a: torch.linalg.eigh(a + a.mT).eigenvectors.abs()),
     "linalg.qr": lambda h: _matrices(h, lambda a: torch.linalg.qr(a).R),
     "linalg.svdvals": lambda h: _matrices(h, torch.linalg.svdvals),
+    "F.lp_pool1d": lambda h: (
+        F.lp_pool1d(h.abs().view(64, 16, 16) + 0.1, 3.0, 2).view(64, 128).repeat_interleave(2, 1)
+    ),
     "grid_sample": lambda h: F.grid_sample(
         _IMAGE, h.view(1, 64, 128, 2).clamp(-1, 1), align_corners=False
     ).view(64, 256),
@@ -321,6 +324,28 @@ def test_ties_and_divisions_keep_their_saves_exact(name: str, compiled: bool) ->
     assert torch.equal(model.lin.bias.grad, exact), name
     if compiled:
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("level", ["L1", "L1.2"])
+def test_composites_hide_no_decision(level: str) -> None:
+    """``F.normalize`` and ``F.softsign`` decide (a clamp, a sign) and divide inside a call
+    ``DecisionMode`` sees as one. Before they had rules, their inner saves were compressed, the
+    decisions were caught only at unpack (a warning, exact from the next step on), and
+    normalize's per-row norms were rounded in groups spanning rows of different scale."""
+    torch.manual_seed(0)
+    model = Head(
+        lambda h: F.softsign(F.normalize(h * torch.linspace(0.01, 3, 256), dim=1)), torch.float32
+    )
+    x = torch.randn(64, 16)
+    with Controller(model, GactConfig.from_level(level, min_numel=0)) as controller:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", GactWarning)
+            model(x).sum().backward()
+        controller.step()
+    records = controller.ledger.last.values()
+    rows = [r for r in records if r.shape == (64, 1)]  # the norms, clamped
+    assert rows and all(r.kind is Kind.KEPT for r in rows), [(r.key, r.kind) for r in rows]
+    assert any(r.kind is Kind.QUANTIZED and r.shape == (64, 256) for r in records)
 
 
 class Ratio(nn.Module):

@@ -421,6 +421,29 @@ def _grid(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
     return DecisionSpec(exact_ids=frozenset({id(grid)})) if isinstance(grid, torch.Tensor) else None
 
 
+def _normalize(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
+    """``F.normalize`` divides each row by its clamped norm, inside a call ``DecisionMode`` sees
+    as one: the saves of one value per row (the norms, the clamp's decision, the divisor) are
+    kept; the rows are compressed, grouped by rows where they are contiguous, as LayerNorm's
+    (NOTE [Attention and row normalisations])."""
+    x = _arg(args, kwargs, 0, "input", None)
+    dim = _arg(args, kwargs, 2, "dim", 1)
+    if not isinstance(x, torch.Tensor) or x.dim() == 0 or not isinstance(dim, int):
+        return _EXACT
+    length = x.shape[dim]
+    rows = x.numel() // max(length, 1)
+    if dim % x.dim() != x.dim() - 1:
+        return DecisionSpec(exact_numel=rows)
+    return DecisionSpec(exact_numel=rows, rows_id=id(x), row_length=length)
+
+
+def _kept_input(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
+    """A composite whose inner call decides on its input: the input is kept (exact masks are
+    read by the output's backward node only, NOTE [Exact decisions])."""
+    x = _arg(args, kwargs, 0, "input", None)
+    return DecisionSpec(exact_ids=frozenset({id(x)})) if isinstance(x, torch.Tensor) else None
+
+
 def _power(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
     """``x ** p``: its backward's ``x ** (p - 1)`` is unbounded near 0 for ``p < 1`` (and a
     tensor exponent's reads ``log x``); a number raised to a tensor reads only the output."""
@@ -695,6 +718,10 @@ def _rules() -> dict[Callable[..., Any], _Rule]:
     for name in _INVERSES:
         add(exact, getattr(torch, name, None), getattr(T, name, None))
     add(_grid, F.grid_sample)
+    # Python composites DecisionMode sees as one call: what their inner calls decide or divide
+    add(_normalize, F.normalize)
+    add(_kept_input, F.softsign)  # x / (1 + |x|): abs decides inside, not the output's node
+    add(exact, F.lp_pool1d, F.lp_pool2d, getattr(F, "lp_pool3d", None))  # sign, relu, x ** (1/p)
     add(_reduction(4), torch.scatter_reduce, T.scatter_reduce, T.scatter_reduce_)
     add(_reduction(4), torch.index_reduce, T.index_reduce, T.index_reduce_)
     add(_reduction(1), torch.segment_reduce)
