@@ -348,6 +348,26 @@ def test_composites_hide_no_decision(level: str) -> None:
     assert any(r.kind is Kind.QUANTIZED and r.shape == (64, 256) for r in records)
 
 
+def test_cosine_similarity_keeps_its_row_norms() -> None:
+    """``F.cosine_similarity`` divides by the rows' norms inside one call (a C++ composite):
+    they are kept. Rounded in groups spanning rows of scales 0.01-3, they put the gradient of a
+    model comparing 2,048 pairs 0.137 off (mean of 8 seeds) against 0.075 for a dot product."""
+    torch.manual_seed(0)
+
+    def act(h: torch.Tensor) -> torch.Tensor:
+        rows = (h * torch.linspace(0.01, 3, 256)).view(64, 16, 16)
+        return F.cosine_similarity(rows, rows.flip(1), dim=-1).repeat_interleave(16, 1)
+
+    model = Head(act, torch.float32)
+    with Controller(model, GactConfig.from_level("L1", min_numel=0)) as controller:
+        model(torch.randn(64, 16)).sum().backward()
+        controller.step()
+    records = controller.ledger.last.values()
+    per_row = [r for r in records if r.key.startswith("<root>") and math.prod(r.shape) == 64 * 16]
+    assert per_row and all(r.kind is Kind.KEPT for r in per_row), [(r.key, r.kind) for r in records]
+    assert any(r.kind is Kind.QUANTIZED and r.shape == (64, 16, 16) for r in records)
+
+
 class Ratio(nn.Module):
     """``a / b`` with a positive divisor spread over three orders of magnitude, as attention
     normalisers are (GAT's sum of exponentials over each node's edges)."""

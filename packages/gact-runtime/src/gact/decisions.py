@@ -437,6 +437,21 @@ def _normalize(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | No
     return DecisionSpec(exact_numel=rows, rows_id=id(x), row_length=length)
 
 
+def _per_row(position: int, name: str, default: int) -> _Rule:
+    """Rule of a composite that divides rows by their norms (``cosine_similarity``), along the
+    dimension given at ``(position, name)``: its saves of one value per row are kept (NOTE
+    [Exact decisions])."""
+
+    def rule(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
+        x = _arg(args, kwargs, 0, "x1", None)
+        dim = _arg(args, kwargs, position, name, default)
+        if not isinstance(x, torch.Tensor) or x.dim() == 0 or not isinstance(dim, int):
+            return _EXACT
+        return DecisionSpec(exact_numel=x.numel() // max(x.shape[dim], 1))
+
+    return rule
+
+
 def _kept_input(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
     """A composite whose inner call decides on its input: the input is kept (exact masks are
     read by the output's backward node only, NOTE [Exact decisions])."""
@@ -720,6 +735,7 @@ def _rules() -> dict[Callable[..., Any], _Rule]:
     add(_grid, F.grid_sample)
     # Python composites DecisionMode sees as one call: what their inner calls decide or divide
     add(_normalize, F.normalize)
+    add(_per_row(2, "dim", 1), F.cosine_similarity, torch.cosine_similarity)
     add(_kept_input, F.softsign)  # x / (1 + |x|): abs decides inside, not the output's node
     add(exact, F.lp_pool1d, F.lp_pool2d, getattr(F, "lp_pool3d", None))  # sign, relu, x ** (1/p)
     add(_reduction(4), torch.scatter_reduce, T.scatter_reduce, T.scatter_reduce_)
