@@ -179,8 +179,8 @@ class SavedCompressed(Saved):
     pointwise.py)."""
 
     __slots__ = (
-        "decision", "expand_to", "hooks", "payload", "rotated", "span", "table", "ticket",
-        "view_to", "witness",
+        "decision", "expand_to", "hooks", "logged_by", "payload", "rotated", "span", "table",
+        "ticket", "view_to", "witness",
     )  # fmt: skip
 
     def __init__(
@@ -198,6 +198,9 @@ class SavedCompressed(Saved):
         self.decision: Decision | None = None
         self.table: pointwise.DerivativeTable | None = None
         self.rotated: rotation.Rotated | None = None  # NOTE [Rotated groups]
+        # the call whose log-probabilities are stored as probabilities (NOTE [Log-probabilities]
+        # in decisions.py): unpacked as their log, shared with that call's saves alone
+        self.logged_by: DecisionSpec | None = None
         # the dense block its elements fill as it unpacks, if they do (NOTE [Aliased saves]):
         # the storage's address, the offset of the first element, their count, contiguous
         self.span: tuple[int, int, int, bool] | None = None
@@ -266,7 +269,12 @@ class SavedCompressed(Saved):
         return _describe(dtype, self.witness.device, self.held.shape)
 
     def unpacked_stride(self) -> tuple[int, ...] | None:
-        if self.table is not None or self.expand_to is not None or self.view_to is not None:
+        if (
+            self.table is not None
+            or self.logged_by is not None  # not the storage's values: no view reads them
+            or self.expand_to is not None
+            or self.view_to is not None
+        ):
             return None
         return tuple(self.known.stride)  # the payload restores these (its final metadata)
 
@@ -289,6 +297,8 @@ class SavedCompressed(Saved):
             return self.table.values(values, self.witness.dtype)
         if self.rotated is not None:
             values = self.rotated.restore(values)
+        if self.logged_by is not None:
+            values = values.log_()
         if self.expand_to is not None:
             return values.expand(self.expand_to)  # never a decision input (see _treatment)
         if self.view_to is not None:
@@ -792,6 +802,7 @@ class SaveHooks:
         stored = hit.source if isinstance(hit, SavedView) else hit
         if isinstance(stored, SavedCompressed) and (
             stored.table is not None  # only the function's own backward reads a table
+            or (stored.logged_by is not None and stored.logged_by is not spec)  # or log(p)
             or exact  # a compressed copy would not do,
             or (spec is not None and (spec.keeps(tensor) or spec.shapes(tensor)))
             # nor one with another call's width or groups (NOTE [Aliased saves]),
@@ -961,6 +972,9 @@ class SaveHooks:
         # a GELU/SiLU input: the allocation counts a table's group header for it (see Items.of)
         candidate = spec is not None and spec.derivative_id == id(tensor)
         data = (tensor if compact is None else compact).detach()  # no autograd history below
+        logged = spec is not None and compact is None and spec.log_probabilities(tensor)
+        if logged:  # NOTE [Log-probabilities] in decisions.py
+            data = data.exp()
         if tensor.dtype is torch.bool:
             payload: gact_kernels.Compressed = gact_kernels.pack_mask(data)
             kind, bits = Kind.MASK, 1
@@ -1002,6 +1016,7 @@ class SaveHooks:
                     rows is None
                     and not channels
                     and not zero_exact
+                    and not logged  # a rotation's rounding could make a probability negative
                     and self._rotates(key, data, bits)
                 ):
                     source, rotated = rotation.rotate(data, group_size=group_size, seed=seed)
@@ -1027,6 +1042,7 @@ class SaveHooks:
         saved.view_to = view_to
         saved.table = table  # a table is never shared (see pack_own)
         saved.rotated = rotated
+        saved.logged_by = spec if logged else None
         held = saved.known  # lossless groups of a pending one reach the ledger when resolved
         nbytes = held.nbytes
         quantized = isinstance(held, gact_kernels.QuantizedTensor)
