@@ -101,7 +101,7 @@ _TOLERANT = {
     "aten.mean", "aten.where", "aten.exp", "aten.erf", "aten.tanh", "aten.sigmoid",
     "aten.gelu", "aten.silu", "aten.gelu_backward", "aten.silu_backward",
     "aten.sigmoid_backward", "aten.tanh_backward",
-    "aten._softmax_backward_data", "aten._log_softmax_backward_data",
+    "aten._softmax_backward_data",
     "aten.native_batch_norm_backward", "aten.empty_like", "aten.zeros_like", "aten.ones_like",
     "aten.full_like", "aten.sym_size", "aten.sym_stride", "aten.sym_numel", "aten.addcmul",
     "prims.fma",
@@ -299,6 +299,8 @@ class CompiledSite:
                 continue
             if op in _TIES_OR_DIVISIONS:
                 return cls(keep=f"{op} finds ties, or divides by it", **site)
+            if op == "aten._log_softmax_backward_data":  # exp of rounded log-probabilities
+                return cls(keep="log-probabilities, read through exp", **site)
             if op == "aten.pow":  # x ** p: unbounded near 0 for p < 0; p ** x is smooth
                 if position == 0 and not (_constant(use, 1) and use.args[1] >= 0):
                     return cls(keep="a divisor", **site)
