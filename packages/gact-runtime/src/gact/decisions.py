@@ -52,8 +52,9 @@ __all__ = [
 #   ``sqrt``, ``rsqrt``, powers below 1, ``prod`` and product reductions, ``atan2``, ``xlogy``,
 #   distances, ``lgamma``, ``asin``), or solves with it or divides by its eigenvalue gaps (the
 #   inverses, factorisations and spectra of ``torch.linalg``), or a threshold is not
-#   representable in the tensor's dtype; saves made during the call are kept uncompressed. Rounded, a maximum's ties came out empty (PyG's max aggregation:
-#   NaN gradients, 0 / 0) and ``log`` of a rounded input near 0 put gradients off by 100%.
+#   representable in the tensor's dtype; saves made during the call are kept uncompressed.
+#   Rounded, a maximum's ties came out empty (PyG's max aggregation: NaN gradients, 0 / 0) and
+#   ``log`` of a rounded input near 0 put gradients off by 100%.
 # - ``exact_ids``: the ids of the call's arguments that are kept uncompressed when saved, the
 #   others being compressed as usual: the divisor of ``a / b``, whose backward (``g / b`` and
 #   ``-g a / b**2``) is nonlinear in it and unbounded as it nears 0, while per-group rounding
@@ -398,7 +399,7 @@ def _divisor(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None
     )
 
 
-_TIES_OR_PRODUCTS = frozenset({"amax", "amin", "max", "min", "prod"})
+_EXACT_REDUCE = frozenset({"amax", "amin", "max", "min", "prod"})
 
 
 def _reduction(position: int) -> _Rule:
@@ -407,7 +408,7 @@ def _reduction(position: int) -> _Rule:
     result, a product divides by them (NOTE [Exact decisions]); a sum or mean reads nothing."""
 
     def rule(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
-        return _EXACT if _arg(args, kwargs, position, "reduce", None) in _TIES_OR_PRODUCTS else None
+        return _EXACT if _arg(args, kwargs, position, "reduce", None) in _EXACT_REDUCE else None
 
     return rule
 
@@ -471,8 +472,8 @@ def _per_row(position: int, name: str, default: int) -> _Rule:
 # ``g - exp(l) * sum(g)``. Rounded in the log domain, a step of a few nats (a row of a trained
 # language model's log-probabilities spans tens) makes ``exp`` of the rounded value biased
 # (convex: the mean of ``exp`` over the two neighbouring levels exceeds ``exp`` of the mean):
-# with confident predictions the output layer's gradient came out 12% off, however many seeds
-# were averaged. So the save is stored as the probabilities ``p = exp(l)``, rounded unbiasedly,
+# with confident predictions an output layer's gradient came out 12-20% off (relative norm),
+# however many seeds were averaged. So the save is stored as the probabilities ``p = exp(l)``, rounded unbiasedly,
 # and unpacks to ``log(p)``: the backward's ``exp(log(p))`` is ``p`` (a ``p`` rounded to 0
 # unpacks to ``-inf``, and ``exp(-inf) = 0``), linear in the stored values, so the gradient is
 # unbiased. ``nll_loss`` (inside ``cross_entropy`` too) saves the same tensor and reads only its
@@ -767,11 +768,11 @@ def _rules() -> dict[Callable[..., Any], _Rule]:
     for name in _INVERSES:
         add(exact, getattr(torch, name, None), getattr(T, name, None))
     add(_grid, F.grid_sample)
-    # Python composites DecisionMode sees as one call: what their inner calls decide or divide
     add(_log_probabilities, F.log_softmax, torch.log_softmax, T.log_softmax, F.cross_entropy)
     # logsumexp: its backward reads exp(x - result), biased from rounded x (NOTE [Log-probabilities])
     add(exact, torch.logsumexp, T.logsumexp, torch.special.logsumexp)
     add(_shape_only(0, "input"), F.nll_loss)  # reads its input for the shape of the gradient
+    # Python composites DecisionMode sees as one call: what their inner calls decide or divide
     add(_normalize, F.normalize)
     add(_per_row(2, "dim", 1), F.cosine_similarity, torch.cosine_similarity)
     add(_kept_input, F.softsign)  # x / (1 + |x|): abs decides inside, not the output's node

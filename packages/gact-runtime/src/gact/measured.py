@@ -103,8 +103,12 @@ class SensitivityMeter:
         call with ``spec``: measure it if the call reads it linearly; ``readable``: whether the
         payload holds ``tensor``'s elements in its memory order (not for every view of the
         tensor ``saved`` holds: that view's reader is then probed)."""
-        whole = (
-            readable and saved.table is None and saved.expand_to is None and saved.ticket is None
+        whole = (  # the payload holds the tensor's own values (not log-probabilities' exp)
+            readable
+            and saved.table is None
+            and saved.logged_by is None
+            and saved.expand_to is None
+            and saved.ticket is None
         )
         self._observe(saved.key, tensor, spec, lambda: saved.held if whole else None, saved.rotated)
 
