@@ -436,35 +436,30 @@ def _grid(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
     return DecisionSpec(exact_ids=frozenset({id(grid)})) if isinstance(grid, torch.Tensor) else None
 
 
-def _normalize(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
-    """``F.normalize`` divides each row by its clamped norm, inside a call ``DecisionMode`` sees
-    as one: the saves of one value per row (the norms, the clamp's decision, the divisor) are
-    kept; the rows are compressed, grouped by rows where they are contiguous, as LayerNorm's
-    (NOTE [Attention and row normalisations])."""
-    x = _arg(args, kwargs, 0, "input", None)
-    dim = _arg(args, kwargs, 2, "dim", 1)
+def _rows(x: Any, dim: Any, *, grouped: bool) -> DecisionSpec:
+    """Spec of a call dividing the rows of ``x`` along ``dim`` by their norms: its saves of one
+    value per row (the norms, a clamp's decision, the divisor) are kept; ``grouped``: ``x``'s
+    save is grouped by rows where they are contiguous, as LayerNorm's (NOTE [Attention and row
+    normalisations])."""
     if not isinstance(x, torch.Tensor) or x.dim() == 0 or not isinstance(dim, int):
         return _EXACT
     length = x.shape[dim]
     rows = x.numel() // max(length, 1)
-    if dim % x.dim() != x.dim() - 1:
+    if not grouped or dim % x.dim() != x.dim() - 1:
         return DecisionSpec(exact_numel=rows)
     return DecisionSpec(exact_numel=rows, rows_id=id(x), row_length=length)
 
 
-def _per_row(position: int, name: str, default: int) -> _Rule:
-    """Rule of a composite that divides rows by their norms (``cosine_similarity``), along the
-    dimension given at ``(position, name)``: its saves of one value per row are kept (NOTE
-    [Exact decisions])."""
+def _normalize(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec:
+    """``F.normalize``, a Python composite ``DecisionMode`` sees as one call."""
+    x, dim = _arg(args, kwargs, 0, "input", None), _arg(args, kwargs, 2, "dim", 1)
+    return _rows(x, dim, grouped=True)
 
-    def rule(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
-        x = _arg(args, kwargs, 0, "x1", None)
-        dim = _arg(args, kwargs, position, name, default)
-        if not isinstance(x, torch.Tensor) or x.dim() == 0 or not isinstance(dim, int):
-            return _EXACT
-        return DecisionSpec(exact_numel=x.numel() // max(x.shape[dim], 1))
 
-    return rule
+def _cosine_similarity(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec:
+    """``F.cosine_similarity``, a C++ composite: only its rows' norms are read nonlinearly."""
+    x, dim = _arg(args, kwargs, 0, "x1", None), _arg(args, kwargs, 2, "dim", 1)
+    return _rows(x, dim, grouped=False)
 
 
 # NOTE [Log-probabilities]
@@ -774,7 +769,7 @@ def _rules() -> dict[Callable[..., Any], _Rule]:
     add(_shape_only(0, "input"), F.nll_loss)  # reads its input for the shape of the gradient
     # Python composites DecisionMode sees as one call: what their inner calls decide or divide
     add(_normalize, F.normalize)
-    add(_per_row(2, "dim", 1), F.cosine_similarity, torch.cosine_similarity)
+    add(_cosine_similarity, F.cosine_similarity, torch.cosine_similarity)
     add(_kept_input, F.softsign)  # x / (1 + |x|): abs decides inside, not the output's node
     add(exact, F.lp_pool1d, F.lp_pool2d, getattr(F, "lp_pool3d", None))  # sign, relu, x ** (1/p)
     add(_reduction(4), torch.scatter_reduce, T.scatter_reduce, T.scatter_reduce_)
