@@ -1050,3 +1050,85 @@ def test_a_compiled_gated_mlp_compresses_its_gate(backend: str) -> None:
         k: records[k].kind for k in records
     }
     torch._dynamo.reset()
+
+
+class _Concatenated(nn.Module):
+    """Saves a concatenation: ``cat`` of two activations times a parameter (the rotary
+    embedding's ``rotate_half`` of LLaMA-style models, times a learned scale)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(32, 64)
+        self.scale = nn.Parameter(torch.randn(64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.proj(x).chunk(2, dim=-1)
+        return torch.cat([-b, a], dim=-1) * self.scale
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_compiled_graph_saving_a_concatenation_compiles(backend: str) -> None:
+    """A saved ``cat`` is followed to its users as a copy of its arguments, but it is no view
+    of one base: placing its pack must not walk down through it (compiling any model that
+    saves a ``cat``, every rotary-embedding decoder, raised an AttributeError)."""
+    torch.manual_seed(0)
+    model = _Concatenated()
+    x = torch.randn(8, 16, 32)
+    model(x).square().sum().backward()
+    reference = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with Controller(model, GactConfig.from_level("L1", min_numel=0)) as controller:
+        torch.compile(model, backend=backend)(x).square().sum().backward()
+        controller.step()
+    records = controller.ledger.last
+    saved = [k for k in records if "@cat" in k]
+    assert saved and all(records[k].kind is Kind.QUANTIZED for k in saved), records
+    assert relative_error([p.grad for p in model.parameters()], reference) < 0.1
+
+
+class _TransposedWeight(nn.Module):
+    """``x @ w^T`` per expert through ``bmm``: the graph saves the view ``w.transpose(1, 2)``
+    of its parameter input (as a mixture of experts with stacked weights does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 64, 32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.bmm(x, self.w.transpose(1, 2))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_compiled_view_of_a_parameter_is_kept_as_the_parameter(backend: str) -> None:
+    """A view of a parameter that a compiled graph saves is state, kept and counted as a
+    parameter as in eager code; it was quantized as an activation, so the input's gradient
+    (``g @ w``) carried the weight's rounding, and ``stats()`` counted the weight."""
+    torch.manual_seed(0)
+    model, x = _TransposedWeight(), torch.randn(4, 16, 32, requires_grad=True)
+    model(x).square().sum().backward()
+    reference = x.grad.clone()
+    kinds = {}
+    for run in (model, torch.compile(model, backend=backend)):
+        x.grad = None
+        with Controller(model, GactConfig.from_level("L1", min_numel=0)) as controller:
+            run(x).square().sum().backward()
+            controller.step()
+        records = controller.ledger.last.values()  # a parameter's record is not an activation's
+        kinds[run is model] = sorted(
+            (r.kind.value, r.numel) for r in records if r.kind != Kind.PARAMETER
+        )
+        torch.testing.assert_close(x.grad, reference, rtol=1e-5, atol=1e-5)
+    assert kinds[False] == kinds[True], kinds
+
+
+def test_level_zero_on_a_compiled_model_warns_nothing() -> None:
+    """L0 stores every save as it is by design: its compiled forward, whose saves reach no
+    hook, is no bypass to warn about (it warned that nothing was compressed)."""
+    model = _relu_mlp()
+    run = torch.compile(model, backend="aot_eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GactWarning)
+        with Controller(run, GactConfig.from_level("L0")) as controller:
+            run(torch.randn(16, 16)).sum().backward()
+            controller.step()
+    assert controller.stats()["compressed_tensors"] == 0

@@ -88,11 +88,15 @@ _ALIASES = {
     "aten.permute", "aten.expand", "aten.squeeze", "aten.unsqueeze", "aten.slice", "aten.select",
     "aten.as_strided", "aten.unflatten", "aten.split", "aten.split_with_sizes", "aten.unbind",
 }  # fmt: skip
-# Uses that pass the tensor on unchanged (followed to their own users): aliases and copies.
+# Uses that pass their first argument on unchanged: aliases and copies (a pack may be placed
+# after them, their argument being their one base).
 VIEWS = _ALIASES | {
     "aten.reshape", "aten.flatten", "aten.clone", "aten.contiguous", "aten._to_copy",
-    "prims.convert_element_type", "aten.flip", "aten.roll", "aten.cat", "aten.stack",
+    "prims.convert_element_type", "aten.flip", "aten.roll",
 }  # fmt: skip
+# Uses that pass the tensor on unchanged, followed to their own users: views, and the joins of
+# several tensors (no view of one base: a pack is never placed after them).
+_PASSED_ON = VIEWS | {"aten.cat", "aten.stack"}
 # Uses whose result is linear in the tensor or a smooth function of it: compressed, as eager
 # code compresses the saves of these functions' inputs and outputs.
 _TOLERANT = {
@@ -211,6 +215,9 @@ class CompiledSite:
             in the ledger with it whenever its graph runs (``SaveHooks.pack_site``).
         graph_input: the saved node is an input of its graph, which may be a parameter
             (``SaveHooks.pack_site`` checks it; intermediates never are).
+        input_view: the saved node is a view of an input of its graph, which may be a view of
+            a parameter (a weight's transpose, which eager code keeps as the parameter it is
+            a view of: ``SaveHooks.pack_site`` checks it too).
         graph_output: the saved node is, or is a view of, an output of its graph: a tensor the
             code around the graph holds and may save again (NOTE [Boundary saves] in saved.py).
     """
@@ -228,6 +235,7 @@ class CompiledSite:
     batch_norm_input: bool = False
     like: torch.Tensor | None = None
     graph_input: bool = False
+    input_view: bool = False
     graph_output: bool = False
 
     @property
@@ -256,6 +264,9 @@ class CompiledSite:
         site = dict(owner=weakref.ref(hooks), key=key, dtype=val.dtype, device=val.device)
         site["graph"] = _graph_number(context["_fw_graph"])
         site["graph_input"] = node.op in ("placeholder", "get_attr")
+        site["input_view"] = not site["graph_input"] and _aliased(node).op in (
+            "placeholder", "get_attr",
+        )  # fmt: skip
         site["graph_output"] = _returned(node, context["_fw_graph"])
         if all(isinstance(n, int) for n in val.shape):
             site["like"] = torch.empty(val.shape, dtype=val.dtype, device="meta")
@@ -445,7 +456,7 @@ def _uses(node: torch.fx.Node) -> list[tuple[torch.fx.Node, int, str]]:
             seen.add(user)
             if user.op != "call_function":
                 out.append((user, -1, how))
-            elif op_name(user) in VIEWS or user.target is operator.getitem:
+            elif op_name(user) in _PASSED_ON or user.target is operator.getitem:
                 todo.append((user, how))
             else:
                 position = next((i for i, a in enumerate(user.args) if a is current), -1)

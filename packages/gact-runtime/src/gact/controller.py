@@ -310,9 +310,11 @@ class Controller:
         # A compiled forward that builds an autograd graph saves tensors; if none reached
         # GACT's hooks, AOTAutograd handed none over (NOTE [Compiled saves] in compiled.py:
         # with its default filtering, a model compiled layer by layer saves only graph inputs
-        # and outputs). Every activation is then stored uncompressed: never silently.
+        # and outputs). Every activation is then stored uncompressed: never silently. A level
+        # that compresses nothing (L0) stores them so by design.
         if (
-            torch.is_grad_enabled()
+            self.config.spec.compresses
+            and torch.is_grad_enabled()
             and not self.hooks.probing
             and self.ledger.recorded == self._recorded_at_forward
             and any(

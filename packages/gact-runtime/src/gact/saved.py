@@ -705,7 +705,8 @@ class SaveHooks:
             self._graphs_counted.add(graph)
             for kept in kept_sites(site.graph):
                 self.ledger.record(kept.key, kept.like, Kind.KEPT, None, None)
-        if site.graph_input and self.is_parameter(tensor):  # state (NOTE in compiled.py)
+        # state, or a view of it (NOTE [Compiled saves] in compiled.py)
+        if (site.graph_input or site.input_view) and self.is_parameter(tensor):
             return self._kept_parameter(tensor)
         key = site.key
         spec = DecisionSpec(

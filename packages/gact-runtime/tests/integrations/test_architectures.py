@@ -1,8 +1,8 @@
 """Breadth: on every architecture of ``hf_architectures.py``, in fp32, under bfloat16 autocast and
 with transformers' gradient checkpointing (and on a few of them under float16 autocast, in
-channels-last memory, with frozen base weights and with a gradient penalty), level L0 gives
-gradients bit-identical to PyTorch's and the mean of four L1 gradients (four rounding seeds,
-the same dropout masks) points where the exact gradient points.
+channels-last memory, with frozen base weights, with a gradient penalty and compiled with
+``aot_eager``), level L0 gives gradients bit-identical to PyTorch's and the mean of four L1
+gradients (four rounding seeds, the same dropout masks) points where the exact gradient points.
 
 What the second check catches: a save unpacked as the wrong tensor, a decision (a mask, a
 maximum's position) taken from rounded values, a dtype or layout restored wrongly. Checked by
@@ -40,6 +40,8 @@ MORE_MODES = {
     "frozen-base": ("mistral", "qwen2", "gemma2", "roberta"),
     # a gradient penalty: the backward itself differentiated (create_graph=True)
     "gradient-penalty": ("roberta", "resnet", "convnext", "swin"),
+    # ``model.compile(backend="aot_eager")``: rotary decoders save ``cat`` outputs
+    "compiled": ("mistral", "gpt_neox", "qwen3"),
 }
 _TRAINED = ("q_proj", "v_proj", "query", "value", "classifier", "score")
 _AUTOCAST = {"bf16-autocast": torch.bfloat16, "fp16-autocast": torch.float16}
@@ -49,6 +51,8 @@ def _gradients(model: torch.nn.Module, loss_fn, mode: str, level: str | None, se
     """The loss and the flat gradient of one forward and backward (dropout seed 0)."""
     model.zero_grad(set_to_none=True)
     torch.manual_seed(0)
+    if mode == "compiled":  # a graph compiled without the hooks would run without them
+        torch._dynamo.reset()
     dtype = _AUTOCAST.get(mode)
     autocast = contextlib.nullcontext() if dtype is None else torch.autocast("cpu", dtype=dtype)
     controller = (
@@ -71,6 +75,8 @@ def _prepare(model: torch.nn.Module, model_type: str, mode: str) -> None:
         # (transformers 5 renamed it; the old name warns)
         enable = getattr(model, "activation_checkpointing_enable", None)
         (enable or model.gradient_checkpointing_enable)()
+    elif mode == "compiled":
+        model.compile(backend="aot_eager")
     elif mode == "channels-last":
         model.to(memory_format=torch.channels_last)
     elif mode == "frozen-base":
