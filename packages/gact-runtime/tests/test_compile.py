@@ -1132,3 +1132,41 @@ def test_level_zero_on_a_compiled_model_warns_nothing() -> None:
             run(torch.randn(16, 16)).sum().backward()
             controller.step()
     assert controller.stats()["compressed_tensors"] == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_compiled_relu6_decides_on_exact_masks(backend: str) -> None:
+    """``hardtanh_backward`` (ReLU6, MobileNetV2's activation) reads its input only through
+    ``min < x < max``: the input is compressed with both predicates kept exactly, as eager code
+    does (it was kept as an unknown use, and warned). The first layer's gradient, which reads
+    only the masks (its own input is below ``min_numel`` and kept), stays fp32's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 256), nn.ReLU6(), nn.Linear(256, 8))
+    x = torch.randn(48, 16) * 4  # 768 elements: kept
+    model(x).sum().backward()
+    exact = model[0].weight.grad.clone()
+    model.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GactWarning)
+        with Controller(model, GactConfig.from_level("L1")) as controller:
+            torch.compile(model, backend=backend)(x).sum().backward()
+            controller.step()
+    sites = {site.key: site for site in controller.hooks.compiled_sites.values()}
+    assert not any(
+        site.keep for site in sites.values() if site.like is not None and site.like.numel() >= 1024
+    ), sites
+    torch.testing.assert_close(model[0].weight.grad, exact, rtol=1e-5, atol=1e-5)
+
+
+def test_a_compiled_softplus_compresses_its_input() -> None:
+    """The compiled backward of ``softplus`` (Mamba's step size) recomputes it from the saved
+    input, a smooth use: compressed as eager code compresses it (it was kept and warned)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 256), nn.Softplus(), nn.Linear(256, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GactWarning)
+        with Controller(model, GactConfig.from_level("L1")) as controller:
+            torch.compile(model, backend="aot_eager")(torch.randn(64, 16)).sum().backward()
+            controller.step()
+    kinds = {r.key: r.kind for r in controller.ledger.last.values() if r.numel >= 1024}
+    assert kinds and all(kind is Kind.QUANTIZED for kind in kinds.values()), kinds

@@ -97,22 +97,26 @@ VIEWS = _ALIASES | {
 # Uses that pass the tensor on unchanged, followed to their own users: views, and the joins of
 # several tensors (no view of one base: a pack is never placed after them).
 _PASSED_ON = VIEWS | {"aten.cat", "aten.stack"}
-# Uses whose result is linear in the tensor or a smooth function of it: compressed, as eager
-# code compresses the saves of these functions' inputs and outputs.
-_TOLERANT = {
+# Affine steps between a saved tensor and the ``exp`` of a recomputed softmax.
+_AFFINE = {"aten.sub", "aten.add", "aten.mul", "aten.neg", "aten.div"}
+# Uses that read only the saved tensor's shape (their indices or target decide).
+_SHAPE_READERS = {
+    "aten.empty_like", "aten.zeros_like", "aten.ones_like", "aten.full_like", "aten.sym_size",
+    "aten.sym_stride", "aten.sym_numel",
+    "aten.max_pool2d_with_indices_backward", "aten.max_pool3d_with_indices_backward",
+    "aten.avg_pool2d_backward", "aten.avg_pool3d_backward", "aten._adaptive_avg_pool2d_backward",
+    "aten.nll_loss_backward", "aten.nll_loss2d_backward",
+}  # fmt: skip
+# Uses whose result is linear in the tensor or a smooth function of it, or reads its shape:
+# compressed, as eager code compresses the saves of these functions' inputs and outputs.
+_TOLERANT = _SHAPE_READERS | {
     "aten.mm", "aten.bmm", "aten.addmm", "aten.baddbmm", "aten.matmul", "aten.convolution_backward",
     "aten.convolution", "aten.mul", "aten.add", "aten.sub", "aten.rsub", "aten.neg", "aten.sum",
     "aten.mean", "aten.where", "aten.exp", "aten.erf", "aten.tanh", "aten.sigmoid",
     "aten.gelu", "aten.silu", "aten.gelu_backward", "aten.silu_backward",
-    "aten.sigmoid_backward", "aten.tanh_backward",
+    "aten.sigmoid_backward", "aten.tanh_backward", "aten.softplus", "aten.softplus_backward",
     "aten._softmax_backward_data",
-    "aten.native_batch_norm_backward", "aten.empty_like", "aten.zeros_like", "aten.ones_like",
-    "aten.full_like", "aten.sym_size", "aten.sym_stride", "aten.sym_numel", "aten.addcmul",
-    "prims.fma",
-    # these read only the saved tensor's shape (their indices or target decide)
-    "aten.max_pool2d_with_indices_backward", "aten.max_pool3d_with_indices_backward",
-    "aten.avg_pool2d_backward", "aten.avg_pool3d_backward", "aten._adaptive_avg_pool2d_backward",
-    "aten.nll_loss_backward", "aten.nll_loss2d_backward",
+    "aten.native_batch_norm_backward", "aten.addcmul", "prims.fma",
 }  # fmt: skip
 # Comparisons with a constant, and whether the predicate recording them is strict: ``x > t``
 # records ``gt`` and ``le`` alike (one is the other's negation), ``x >= t`` ``ge`` and ``lt``.
@@ -220,6 +224,8 @@ class CompiledSite:
             a view of: ``SaveHooks.pack_site`` checks it too).
         graph_output: the saved node is, or is a view of, an output of its graph: a tensor the
             code around the graph holds and may save again (NOTE [Boundary saves] in saved.py).
+        log_probabilities: ``log_softmax``'s output, read only through ``exp``: stored as
+            probabilities, as eager code stores it (NOTE [Log-probabilities] in decisions.py).
     """
 
     owner: weakref.ref[SaveHooks]
@@ -236,6 +242,7 @@ class CompiledSite:
     like: torch.Tensor | None = None
     graph_input: bool = False
     input_view: bool = False
+    log_probabilities: bool = False
     graph_output: bool = False
 
     @property
@@ -294,10 +301,16 @@ class CompiledSite:
         exp = placeholder if op_name(_aliased(node)) == "aten.exp" else None
         if _statistic(node) and not any(op_name(u) in _MATMULS for u, _, how in uses):
             return cls(keep="a per-row statistic", **site)  # not features pooled for a layer
+        if made_by == "aten._log_softmax":  # NOTE [Log-probabilities] in decisions.py
+            if all(_through_exp(use, position, how) for use, position, how in uses):
+                return cls(keep=None, log_probabilities=True, **site)
+            return cls(keep="log-probabilities, read through exp and otherwise", **site)
         predicates: set[tuple[bool, float]] = set()
         min_bits = row_length = 0
         for use, position, how in uses:
             op = op_name(use)
+            if op == "aten.exp" and _less_a_saved_tensor(use.args[0]):
+                return cls(keep="a softmax recomputed from it reads it through exp", **site)
             if op in _TOLERANT or use.op == "output":
                 continue
             if op == "aten.div":
@@ -311,10 +324,15 @@ class CompiledSite:
             if op in _TIES_OR_DIVISIONS:
                 return cls(keep=f"{op} finds ties, or divides by it", **site)
             if op == "aten._log_softmax_backward_data":  # exp of rounded log-probabilities
-                return cls(keep="log-probabilities, read through exp", **site)
+                return cls(keep="log-probabilities, read through exp", **site)  # not log_softmax's
             if op == "aten.pow":  # x ** p: unbounded near 0 for p < 0; p ** x is smooth
                 if position == 0 and not (_constant(use, 1) and use.args[1] >= 0):
                     return cls(keep="a divisor", **site)
+                continue
+            if op == "aten.hardtanh_backward" and position == 1:  # min < x < max: eager's rule
+                if how != _SAME or not (_constant(use, 2) and _constant(use, 3)):
+                    return cls(keep=f"a recomputed or tensor-bounded decision ({op})", **site)
+                predicates.update({(True, float(use.args[2])), (False, float(use.args[3]))})
                 continue
             predicate = _decision(use, position)
             if predicate is not None:
@@ -352,6 +370,37 @@ class CompiledSite:
     def unknown_use(self) -> bool:
         """Kept because GACT does not know how its backward reads it (warned once)."""
         return self.keep is not None and self.keep.startswith("read by")
+
+
+def _less_a_saved_tensor(node: Any) -> bool:
+    """Whether backward node ``node`` subtracts a saved tensor (a per-row maximum, a log-sum):
+    ``exp`` of it is then a softmax recomputed from the logits (inductor's decomposition of
+    ``log_softmax``'s backward: ``exp(x - amax - log(sum))``), whose probabilities are biased
+    by ``exp`` of the rounded ``x`` (``E exp(x + ε) > exp(x)``; an output layer's gradient came
+    out 0.23 off, as the log-domain rounding of NOTE [Log-probabilities] in decisions.py)."""
+    todo = [node]
+    while todo:
+        current = todo.pop()
+        if not isinstance(current, torch.fx.Node):
+            continue
+        op = op_name(current)
+        subtrahend = current.args[1] if op == "aten.sub" and len(current.args) > 1 else None
+        if isinstance(subtrahend, torch.fx.Node) and subtrahend.op == "placeholder":
+            return True
+        if op in _AFFINE or op in VIEWS:
+            todo.extend(current.args)
+    return False
+
+
+def _through_exp(use: torch.fx.Node, position: int, how: str) -> bool:
+    """Whether ``use`` reads log-probabilities only through ``exp`` (``log_softmax``'s backward,
+    or the ``exp`` of its decomposition) or only for their shape."""
+    op = op_name(use)
+    if op in _SHAPE_READERS or use.op == "output":
+        return True
+    if how != _SAME:
+        return False
+    return (op == "aten._log_softmax_backward_data" and position == 1) or op == "aten.exp"
 
 
 def _normalises(use: torch.fx.Node, node: torch.fx.Node) -> bool:

@@ -719,6 +719,7 @@ class SaveHooks:
             extra_bits=decisions.BATCH_NORM_EXTRA_BITS  # as _batch_norm's rule in eager code
             if site.batch_norm_input and decisions.small_channels(tensor)
             else 0,
+            arguments=frozenset() if site.log_probabilities else None,  # stored as exp(tensor)
         )
         kind, compact = self._classify(key, tensor, spec, inside=True, exact=False)
         boundary = site.graph_input or site.graph_output  # NOTE [Boundary saves]
@@ -727,6 +728,8 @@ class SaveHooks:
             if isinstance(hit, SavedKept) or (
                 isinstance(hit, SavedCompressed)
                 and hit.table is None
+                and hit.logged_by is None  # its values are exp(tensor)'s
+                and not site.log_probabilities
                 and kind is None
                 and not spec.shapes(tensor)  # NOTE [Aliased saves]
             ):
