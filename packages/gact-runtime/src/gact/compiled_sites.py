@@ -117,6 +117,8 @@ _TOLERANT = _SHAPE_READERS | {
     "aten.sigmoid_backward", "aten.tanh_backward", "aten.softplus", "aten.softplus_backward",
     "aten._softmax_backward_data",
     "aten.native_batch_norm_backward", "aten.addcmul", "prims.fma",
+    # grouped matrix products of mixtures of experts (transformers' fallback is an opaque op)
+    "aten._grouped_mm", "transformers.grouped_mm_fallback_backward",
 }  # fmt: skip
 # Comparisons with a constant, and whether the predicate recording them is strict: ``x > t``
 # records ``gt`` and ``le`` alike (one is the other's negation), ``x >= t`` ``ge`` and ``lt``.

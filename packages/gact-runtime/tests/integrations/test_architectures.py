@@ -40,8 +40,9 @@ MORE_MODES = {
     "frozen-base": ("mistral", "qwen2", "gemma2", "roberta"),
     # a gradient penalty: the backward itself differentiated (create_graph=True)
     "gradient-penalty": ("roberta", "resnet", "convnext", "swin"),
-    # ``model.compile(backend="aot_eager")``: rotary decoders save ``cat`` outputs
-    "compiled": ("mistral", "gpt_neox", "qwen3"),
+    # ``model.compile(backend="aot_eager")``: rotary decoders save ``cat`` outputs, mixtures
+    # of experts a grouped product's operands, MobileNetV2 ReLU6 inputs, Mamba softplus inputs
+    "compiled": ("mistral", "gpt_neox", "qwen3", "mixtral", "mobilenet_v2", "mamba"),
 }
 _TRAINED = ("q_proj", "v_proj", "query", "value", "classifier", "score")
 _AUTOCAST = {"bf16-autocast": torch.bfloat16, "fp16-autocast": torch.float16}
