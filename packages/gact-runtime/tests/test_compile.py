@@ -830,7 +830,7 @@ def test_a_relu_output_a_graph_returns_is_stored_on_the_zero_exact_grid() -> Non
 
 
 def test_inductor_saves_relu_outputs_instead_of_recomputing_them() -> None:
-    """NOTE [Saved ReLU outputs]: inductor recomputed the stem's ReLU (after a BatchNorm,
+    """NOTE [Saved outputs]: inductor recomputed the stem's ReLU (after a BatchNorm,
     before a max-pool) from the convolution's output, which then had to be kept as it is (a
     recomputed decision reads it): 2.0x less stored than fp32, against 6.8x eagerly. While GACT
     is installed its ReLUs are saved: nothing is kept for a decision, and the ratio is eager
@@ -852,7 +852,7 @@ def test_inductor_saves_relu_outputs_instead_of_recomputing_them() -> None:
                 F.cross_entropy(run(x), y).backward()
                 controller.step()
             assert isinstance(
-                torch._inductor.config.joint_custom_pre_pass, compiled_sites.SaveReluOutputs
+                torch._inductor.config.joint_custom_pre_pass, compiled_sites.SaveOutputs
             )
         assert torch._inductor.config.joint_custom_pre_pass is None
         ratios[compile_] = controller.stats()["ratio"]
@@ -860,7 +860,7 @@ def test_inductor_saves_relu_outputs_instead_of_recomputing_them() -> None:
             reasons = [s.keep or "" for s in controller.hooks.compiled_sites.values()]
             assert not any("recomputed decision" in r for r in reasons), reasons
     assert ratios[True] > 0.9 * ratios[False]
-    mine = compiled_sites.SaveReluOutputs()  # any pass the user installed
+    mine = compiled_sites.SaveOutputs()  # any pass the user installed
     torch._inductor.config.joint_custom_pre_pass = mine
     try:
         with Controller(model, GactConfig.from_level("L1")):
@@ -1170,3 +1170,38 @@ def test_a_compiled_softplus_compresses_its_input() -> None:
             controller.step()
     kinds = {r.key: r.kind for r in controller.ledger.last.values() if r.numel >= 1024}
     assert kinds and all(kind is Kind.QUANTIZED for kind in kinds.values()), kinds
+
+
+class _Attention(nn.Module):
+    """An encoder's single-head attention, written out: ``dropout(softmax(q k^T / 8 + m)) v``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(64, 192)
+        self.register_buffer("mask", torch.zeros(1, 1, 128))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        probabilities = torch.softmax(q @ k.transpose(1, 2) / 8 + self.mask, dim=-1)
+        return F.dropout(probabilities, 0.1) @ v
+
+
+def test_inductor_saves_attention_probabilities_instead_of_recomputing_them() -> None:
+    """NOTE [Saved outputs]: inductor recomputed the softmax in the backward from the saved
+    scores through ``exp``, which biases it if the scores are rounded, so the scores were kept
+    (the 4 x 128 x 128 largest save: 5.23x less stored than fp32 on a RoBERTa, eager code
+    6.95x). With the ``exp`` outputs saved the probabilities are read linearly and compressed,
+    and the compiled graph stores at least 90% of what eager code stores."""
+    torch.manual_seed(0)
+    model, x = _Attention(), torch.randn(4, 128, 64)
+    ratios = {}
+    for compile_ in (False, True):
+        torch._dynamo.reset()
+        run = torch.compile(model, backend="inductor") if compile_ else model
+        with Controller(run, GactConfig.from_level("L1")) as controller:
+            run(x).square().sum().backward()
+            controller.step()
+        ratios[compile_] = controller.stats()["ratio"]
+    reasons = [s.keep or "" for s in controller.hooks.compiled_sites.values()]
+    assert not any("softmax" in r for r in reasons), reasons
+    assert ratios[True] > 0.9 * ratios[False], ratios

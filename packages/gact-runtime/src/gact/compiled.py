@@ -20,7 +20,7 @@ import torch._inductor.config
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from .compiled_sites import VIEWS, CompiledSite, SaveReluOutputs, add_kept, op_name
+from .compiled_sites import VIEWS, CompiledSite, SaveOutputs, add_kept, op_name
 from .errors import GactError
 
 if TYPE_CHECKING:
@@ -330,12 +330,12 @@ class CompileSettings:
     """What GACT sets in ``torch.compile``'s configuration while any of its hooks are installed
     (``enter()`` at each install, ``exit()`` at each uninstall; settings the user chose are left
     alone): AOTAutograd hands compiled graphs' saved inputs and outputs to the hooks too (NOTE
-    [Compiled saves]), and inductor's partitioner saves ReLU outputs (NOTE [Saved ReLU outputs]
-    in compiled_sites.py)."""
+    [Compiled saves]), and inductor's partitioner saves ReLU, exp and log-softmax outputs (NOTE
+    [Saved outputs] in compiled_sites.py)."""
 
     _depth = 0
     _filtering = False  # whether the first enter() changed the filtering mode
-    _relu_pass: SaveReluOutputs | None = None  # the pass the first enter() installed
+    _save_pass: SaveOutputs | None = None  # the pass the first enter() installed
 
     @classmethod
     def enter(cls) -> None:
@@ -347,7 +347,7 @@ class CompileSettings:
                 if cls._filtering:
                     config.saved_tensors_hooks_filtering_mode = "no_static"
                 if inductor.joint_custom_pre_pass is None:
-                    cls._relu_pass = inductor.joint_custom_pre_pass = SaveReluOutputs()
+                    cls._save_pass = inductor.joint_custom_pre_pass = SaveOutputs()
             cls._depth += 1
 
     @classmethod
@@ -358,9 +358,9 @@ class CompileSettings:
             if cls._depth == 0:
                 if cls._filtering and config.saved_tensors_hooks_filtering_mode == "no_static":
                     config.saved_tensors_hooks_filtering_mode = "donated"
-                if cls._relu_pass is not None and inductor.joint_custom_pre_pass is cls._relu_pass:
+                if cls._save_pass is not None and inductor.joint_custom_pre_pass is cls._save_pass:
                     inductor.joint_custom_pre_pass = None
-                cls._filtering, cls._relu_pass = False, None
+                cls._filtering, cls._save_pass = False, None
 
 
 # NOTE [Compile time]

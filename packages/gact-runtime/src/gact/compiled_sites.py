@@ -24,7 +24,7 @@ from .scope import dtype_name
 if TYPE_CHECKING:
     from .saved import SaveHooks
 
-__all__ = ["VIEWS", "CompiledSite", "SaveReluOutputs", "add_kept", "kept_sites", "op_name"]
+__all__ = ["VIEWS", "CompiledSite", "SaveOutputs", "add_kept", "kept_sites", "op_name"]
 
 # NOTE [Decisions from the backward graph]
 # A compiled forward runs no Python per op, so ``DecisionMode`` sees nothing, and the
@@ -54,32 +54,74 @@ __all__ = ["VIEWS", "CompiledSite", "SaveReluOutputs", "add_kept", "kept_sites",
 # ``report()`` lists every kept compiled save with its reason; an unknown use is warned once.
 
 
-# NOTE [Saved ReLU outputs]
+# NOTE [Saved outputs]
 # Inductor's partitioner recomputes cheap pointwise ops in the backward rather than save their
-# outputs: a ReLU after a BatchNorm is recomputed from the convolution's output, so its decision
-# is taken on that recomputed value, and that output must then be kept as it is (a recomputed
-# decision, above). On the ResNet-18 layout at L2 that kept the stem's pre-activation, its
-# largest tensor: 3.44x less stored than fp32, where eager code stores 7.91x less. While GACT's
-# hooks are installed, inductor's joint-graph pass ``SaveReluOutputs`` marks every ReLU of the
-# forward ``MUST_SAVE`` (the partitioner's own tag for what activation checkpointing must keep):
-# the backward reads the ReLU's output, which is stored on the zero-exact grid, and the
-# pre-activation is compressed like any BatchNorm input. Same model: 7.65x. The setting is
-# global while any GACT hooks are installed, like AOTAutograd's filtering mode: a graph compiled
-# then for another model saves its ReLU outputs too: one more activation per ReLU that its
-# partitioner would have recomputed. Code compiled with no GACT installed is partitioned as
-# before, a pass the user set is left alone (``compiled.CompileSettings``), and aot_eager's
-# partitioner recomputes nothing.
-class SaveReluOutputs(CustomGraphPass):
-    """Inductor joint-graph pass: every ``aten.relu`` output is saved, not recomputed (NOTE
-    [Saved ReLU outputs])."""
+# outputs, and three of them then read a rounded save where eager code reads an unbiased one:
+# - a ReLU after a BatchNorm, recomputed from the convolution's output: its decision is taken
+#   on that recomputed value, so the output must be kept as it is (a recomputed decision,
+#   above). On the ResNet-18 layout at L2 that kept the stem's pre-activation, its largest
+#   tensor: 3.44x less stored than fp32, where eager code stores 7.91x less;
+# - a softmax (attention's), recomputed from the scores through ``exp``: ``exp`` of a rounded
+#   score is biased, so the scores were kept (a softmax recomputed from a saved tensor);
+# - ``log_softmax`` (a loss inside the model), whose backward reads ``exp`` of its output, which
+#   it recomputes from the logits the same way.
+# While GACT's hooks are installed, inductor's joint-graph pass ``SaveOutputs`` marks these
+# outputs of the forward ``MUST_SAVE`` (the partitioner's own tag for what activation
+# checkpointing must keep): every ReLU's, every decomposed softmax's ``exp(x - amax(x))`` (not
+# a sigmoid's ``exp(-x)``, a smooth use) and every decomposed ``log_softmax``'s
+# ``x - log(s)``. The backward then reads the ReLU's output, stored on the zero-exact grid, the
+# softmax's numerator, read linearly, and the log-probabilities, stored as probabilities (NOTE
+# [Log-probabilities] in decisions.py); the pre-activations, scores and logits are compressed
+# like any other save. Same ResNet: 7.65x; a RoBERTa's attention scores are no longer kept
+# (7.18x against 5.23x, eager code 6.95x). The setting is global while any GACT hooks are installed, like
+# AOTAutograd's filtering mode: a graph compiled then for another model saves these outputs
+# too: one more activation per such op that its partitioner would have recomputed. Code
+# compiled with no GACT installed is partitioned as before, a pass the user set is left alone
+# (``compiled.CompileSettings``), and aot_eager's partitioner recomputes nothing.
+class SaveOutputs(CustomGraphPass):
+    """Inductor joint-graph pass: the outputs of ``aten.relu`` and of decomposed ``softmax``
+    and ``log_softmax`` are saved, not recomputed (NOTE [Saved outputs])."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         for node in graph.nodes:
-            if node.op == "call_function" and op_name(node) == "aten.relu":
+            if node.op == "call_function" and (
+                op_name(node) == "aten.relu"
+                or _softmax_numerator(node)
+                or _log_softmax_output(node)
+            ):
                 node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
     def uuid(self) -> str:
-        return "gact.SaveReluOutputs.1"
+        return "gact.SaveOutputs.3"
+
+
+def _softmax_numerator(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a decomposed softmax's ``exp(x - amax(x))`` (not any ``exp``: a
+    sigmoid's ``exp(-x)`` is recomputed as before)."""
+    if op_name(node) != "aten.exp" or not node.args:
+        return False
+    shifted = node.args[0]
+    return (
+        isinstance(shifted, torch.fx.Node)
+        and op_name(shifted) == "aten.sub"
+        and len(shifted.args) == 2
+        and isinstance(shifted.args[1], torch.fx.Node)
+        and op_name(shifted.args[1]) == "aten.amax"
+    )
+
+
+def _log_softmax_output(node: torch.fx.Node) -> bool:
+    """Whether ``node`` computes log-probabilities: ``log_softmax``, or its decomposition's last
+    step ``x - log(s)``."""
+    op = op_name(node)
+    if op == "aten._log_softmax":
+        return True
+    return (
+        op == "aten.sub"
+        and len(node.args) == 2
+        and isinstance(node.args[1], torch.fx.Node)
+        and op_name(node.args[1]) == "aten.log"
+    )
 
 
 # Ops whose result always shares its argument's storage (``_aliased`` follows only these).
@@ -303,7 +345,7 @@ class CompiledSite:
         exp = placeholder if op_name(_aliased(node)) == "aten.exp" else None
         if _statistic(node) and not any(op_name(u) in _MATMULS for u, _, how in uses):
             return cls(keep="a per-row statistic", **site)  # not features pooled for a layer
-        if made_by == "aten._log_softmax":  # NOTE [Log-probabilities] in decisions.py
+        if _log_softmax_output(_aliased(node)):  # NOTE [Log-probabilities] in decisions.py
             if all(_through_exp(use, position, how) for use, position, how in uses):
                 return cls(keep=None, log_probabilities=True, **site)
             return cls(keep="log-probabilities, read through exp and otherwise", **site)
