@@ -330,8 +330,8 @@ class CompileSettings:
     """What GACT sets in ``torch.compile``'s configuration while any of its hooks are installed
     (``enter()`` at each install, ``exit()`` at each uninstall; settings the user chose are left
     alone): AOTAutograd hands compiled graphs' saved inputs and outputs to the hooks too (NOTE
-    [Compiled saves]), and inductor's partitioner saves ReLU, softmax and log-softmax outputs and clamp inputs (NOTE
-    [Saved outputs] in compiled_sites.py)."""
+    [Compiled saves]), and inductor's partitioner saves ReLU, softmax and log-softmax outputs
+    and clamp inputs (NOTE [Saved outputs] in compiled_sites.py)."""
 
     _depth = 0
     _filtering = False  # whether the first enter() changed the filtering mode
