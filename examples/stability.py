@@ -203,6 +203,7 @@ def train(task: Task, level: str, seed: int, lr: float, args: argparse.Namespace
         "ratio": stats["ratio"],
         "adapt_budget": config.adapt_budget,
         "adaptations": stats["adaptations"],
+        "adaptation_overhead": stats["adaptation_overhead"],
     }
 
 
