@@ -56,13 +56,13 @@ __all__ = ["VIEWS", "CompiledSite", "SaveOutputs", "add_kept", "kept_sites", "op
 
 # NOTE [Saved outputs]
 # Inductor's partitioner recomputes cheap pointwise ops in the backward rather than save their
-# outputs, and three of them then read a rounded save where eager code reads an unbiased one:
+# outputs, and four of them then read a rounded save where eager code reads an unbiased one:
 # - a ReLU after a BatchNorm, recomputed from the convolution's output: its decision is taken
 #   on that recomputed value, so the output must be kept as it is (a recomputed decision,
 #   above). On the ResNet-18 layout at L2 that kept the stem's pre-activation, its largest
 #   tensor: 3.44x less stored than fp32, where eager code stores 7.91x less;
 # - a softmax (attention's), recomputed from the scores through ``exp``: ``exp`` of a rounded
-#   score is biased, so the scores were kept (a softmax recomputed from a saved tensor);
+#   score is biased, so the scores must be kept (``_less_a_saved_tensor``);
 # - ``log_softmax`` (a loss inside the model), whose backward reads ``exp`` of its output, which
 #   it recomputes from the logits the same way;
 # - a clamp (ReLU6: ``clamp_max(clamp_min(x, 0), 6)``) after a BatchNorm, whose backward decides
@@ -384,7 +384,8 @@ class CompiledSite:
             if op in _VARIANCES:
                 return cls(keep=f"a variance recomputed from it ({op})", **site)
             if op == "aten._log_softmax_backward_data":  # exp of rounded log-probabilities
-                return cls(keep="log-probabilities, read through exp", **site)  # not log_softmax's
+                # (a save that log_softmax did not make: its exp is not stored)
+                return cls(keep="log-probabilities, read through exp", **site)
             if op == "aten.pow":  # x ** p: unbounded near 0 for p < 0; p ** x is smooth
                 if position == 0 and not (_constant(use, 1) and use.args[1] >= 0):
                     return cls(keep="a divisor", **site)
@@ -434,8 +435,8 @@ class CompiledSite:
 
 def _less_a_saved_tensor(node: Any) -> bool:
     """Whether backward node ``node`` subtracts a saved tensor (a per-row maximum, a log-sum):
-    ``exp`` of it is then a softmax recomputed from the logits (inductor's decomposition of
-    ``log_softmax``'s backward: ``exp(x - amax - log(sum))``), whose probabilities are biased
+    ``exp`` of it is then a softmax recomputed from the scores or logits (inductor's
+    decomposition of ``log_softmax``'s backward: ``exp(x - amax - log(sum))``), biased
     by ``exp`` of the rounded ``x`` (``E exp(x + ε) > exp(x)``; an output layer's gradient came
     out 0.23 off, as the log-domain rounding of NOTE [Log-probabilities] in decisions.py)."""
     todo = [node]
