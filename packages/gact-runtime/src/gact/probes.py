@@ -96,8 +96,8 @@ class ProbeGuard:
 # parameters took 1.1-2.2 times its forward and backward at batch 64 on one or two CPU
 # threads, with one draw 0.76-1.06 times). The map is linear and ``E[<S a, S b>] = <a, b>``,
 # with variance at most ``2 |a|^2 |b|^2 / width``; at the default width of 2^18 that is a few
-# percent of the pairwise estimator's own noise. Memory: ``width`` floats per probe on the host, and one chunk of bucket
-# indices at a time on the device.
+# percent of the pairwise estimator's own noise. Memory: ``width`` floats per probe on the
+# host, and one chunk of bucket indices at a time on the device.
 _CHUNK = 1 << 22
 
 
