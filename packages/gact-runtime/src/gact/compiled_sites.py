@@ -90,9 +90,11 @@ class SaveOutputs(CustomGraphPass):
         for node in graph.nodes:
             if node.op != "call_function":
                 continue
-            if op_name(node) == "aten.relu" or _softmax_numerator(node):
-                node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-            elif _log_softmax_output(node):
+            if (
+                op_name(node) == "aten.relu"
+                or _softmax_numerator(node)
+                or _log_softmax_output(node)
+            ):
                 node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
             elif op_name(node) in _CLAMPS and isinstance(node.args[0], torch.fx.Node):
                 if node.args[0].op == "call_function":  # the input its backward decides on
@@ -109,29 +111,23 @@ _CLAMPS = {"aten.clamp", "aten.clamp_min", "aten.clamp_max", "aten.hardtanh"}
 def _softmax_numerator(node: torch.fx.Node) -> bool:
     """Whether ``node`` is a decomposed softmax's ``exp(x - amax(x))`` (not any ``exp``: a
     sigmoid's ``exp(-x)`` is recomputed as before)."""
-    if op_name(node) != "aten.exp" or not node.args:
-        return False
-    shifted = node.args[0]
-    return (
-        isinstance(shifted, torch.fx.Node)
-        and op_name(shifted) == "aten.sub"
-        and len(shifted.args) == 2
-        and isinstance(shifted.args[1], torch.fx.Node)
-        and op_name(shifted.args[1]) == "aten.amax"
-    )
+    return op_name(node) == "aten.exp" and bool(node.args) and _less(node.args[0], "aten.amax")
 
 
 def _log_softmax_output(node: torch.fx.Node) -> bool:
     """Whether ``node`` computes log-probabilities: ``log_softmax``, or its decomposition's last
     step ``x - log(s)``."""
-    op = op_name(node)
-    if op == "aten._log_softmax":
-        return True
+    return op_name(node) == "aten._log_softmax" or _less(node, "aten.log")
+
+
+def _less(node: Any, op: str) -> bool:
+    """Whether ``node`` is ``a - b`` with ``b`` made by ``op``."""
     return (
-        op == "aten.sub"
+        isinstance(node, torch.fx.Node)
+        and op_name(node) == "aten.sub"
         and len(node.args) == 2
         and isinstance(node.args[1], torch.fx.Node)
-        and op_name(node.args[1]) == "aten.log"
+        and op_name(node.args[1]) == op
     )
 
 
@@ -390,18 +386,12 @@ class CompiledSite:
                 if position == 0 and not (_constant(use, 1) and use.args[1] >= 0):
                     return cls(keep="a divisor", **site)
                 continue
-            if op == "aten.hardtanh_backward" and position == 1:  # min < x < max: eager's rule
-                if how != _SAME or not (_constant(use, 2) and _constant(use, 3)):
-                    return cls(keep=f"a recomputed or tensor-bounded decision ({op})", **site)
-                predicates.update({(True, float(use.args[2])), (False, float(use.args[3]))})
-                continue
-            predicate = _decision(use, position)
-            if predicate is not None:
-                t = predicate[1]
-                if math.isnan(t):
+            found = _decisions(use, position)
+            if found is not None:
+                if any(math.isnan(t) for _, t in found):
                     return cls(keep=f"compared with another tensor by {op}", **site)
-                if how == _SAME or (how == _RELU_OF and t == 0.0):
-                    predicates.update({(True, 0.0), (False, 0.0)} if op in _SIGNS else {predicate})
+                if how == _SAME or (how == _RELU_OF and all(t == 0.0 for _, t in found)):
+                    predicates.update(found)
                 else:
                     return cls(keep=f"a recomputed decision ({op}) reads it", **site)
             elif op in _ATTENTION:
@@ -494,18 +484,25 @@ def _statistic(node: torch.fx.Node, depth: int = 0) -> bool:
     return bool(inputs) and all(_statistic(a, depth + 1) for a in inputs)
 
 
-def _decision(use: torch.fx.Node, position: int) -> tuple[bool, float] | None:
-    """The comparison ``use`` makes on its argument at ``position``, as ``(strict, t)``
-    (``x > t`` or ``x >= t``; a sign counts as ``x > 0``), or ``None`` if it makes none."""
+def _decisions(use: torch.fx.Node, position: int) -> tuple[tuple[bool, float], ...] | None:
+    """The comparisons ``use`` makes on its argument at ``position``, each as ``(strict, t)``
+    (``x > t`` or ``x >= t``), as eager code's rules record them; ``None`` if it makes none; a
+    threshold ``nan`` for a comparison with another tensor, which no exact mask records."""
     op = op_name(use)
-    if op in _RELU or op in _SIGNS:
-        return (True, 0.0)
+    if op in _RELU:
+        return ((True, 0.0),)
+    if op in _SIGNS:
+        return ((True, 0.0), (False, 0.0))
     if op == "aten.threshold_backward" and position == 1 and _constant(use, 2):
-        return (True, float(use.args[2]))
+        return ((True, float(use.args[2])),)
+    if op == "aten.hardtanh_backward" and position == 1:  # min < x < max, as _hardtanh's rule
+        if _constant(use, 2) and _constant(use, 3):
+            return ((True, float(use.args[2])), (False, float(use.args[3])))
+        return ((True, math.nan),)
     if op in _COMPARISONS and position == 0 and _constant(use, 1):
-        return (_COMPARISONS[op], float(use.args[1]))
+        return ((_COMPARISONS[op], float(use.args[1])),)
     if op == "aten.threshold_backward" or op in _COMPARISONS:
-        return (True, math.nan)  # against a tensor: no exact mask can record it
+        return ((True, math.nan),)
     return None
 
 
