@@ -1,6 +1,6 @@
 """Why adaptive bits can lose to uniform ones: sensitivity estimators against the truth.
 
-For the char-GPT, GAT and BERT-classifier examples, at initialisation and after some fp32 training steps, this
+For the char-GPT, GAT and BERT-classifier examples and the ResNet-18 layout, at initialisation and after some fp32 training steps, this
 measures per saved tensor (per *item*):
 
 - the *true* effect of quantizing that tensor alone at 2, 4 and 8 bits, every other tensor kept
@@ -19,6 +19,7 @@ truth, bias^2 against variance per op kind, and the bits each allocation gives.
     python examples/diagnose_adaptation.py --data ../shared/data --model char-gpt
     python examples/diagnose_adaptation.py --data ../shared/data --model gat --steps 0,100,250
     python examples/diagnose_adaptation.py --data ../shared/data --model bert --steps 0,300
+    python examples/diagnose_adaptation.py --data ../shared/data --model resnet18 --steps 0,50,200
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from gact.probes import ProbeSession
 from gact.saved import SavedCompressed
 from gact_examples.data import load_char_corpus, load_passage_classes, load_planetoid
 from gact_examples.models import GNN, CharGPT, bert_classifier, passages
+from gact_examples.tasks import make_task
 
 FULL = gact_policy.FULL_PRECISION
 WIDTHS = (2, 4, 8)
@@ -141,7 +143,38 @@ def bert_task(
     return model, train_step, closure
 
 
-TASKS = {"char-gpt": char_gpt_task, "gat": gat_task, "bert": bert_task}
+def resnet18_task(
+    data: str, seed: int, layers: int | None
+) -> tuple[torch.nn.Module, Callable, Callable]:
+    """The stability study's ResNet-18 layout on CIFAR-10 (4,096 training images, batch 64,
+    SGD at lr 0.05 with momentum 0.9; always its 18 layers)."""
+    task = make_task("resnet18", argparse.Namespace(data=data, images=4096, batch_size=64))
+    torch.manual_seed(seed)
+    model = task.build()
+    optimizer = task.optimizer(model, 0.05)
+    batches = task.batches(torch.Generator().manual_seed(seed))
+    probe = next(batches)
+
+    def train_step() -> None:
+        model.train()
+        optimizer.zero_grad()
+        task.loss(model, next(batches)).backward()
+        optimizer.step()
+
+    def closure() -> None:
+        model.train()
+        model.zero_grad()
+        task.loss(model, probe).backward()
+
+    return model, train_step, closure
+
+
+TASKS = {
+    "char-gpt": char_gpt_task,
+    "gat": gat_task,
+    "bert": bert_task,
+    "resnet18": resnet18_task,
+}
 
 
 def consumers_of(controller: Controller, closure: Callable[[], None]) -> dict[str, set[str]]:

@@ -1,5 +1,5 @@
 """examples/memory_breakdown.py on tiny MNIST: one process per level, every sample labelled with
-its phase, an adaptation's peak shown at the adaptive level, the table and the timeline written."""
+its phase, the adaptive level adapting without probes, the table and the timeline written."""
 
 from __future__ import annotations
 
@@ -18,10 +18,14 @@ def test_levels_in_their_own_processes(data_root, tmp_path, script):
     assert 0 < l2["stored_bytes"] < l2["saved_bytes"] / 6
     phases = {p for _, p, _ in l2["samples"]}
     # (a small model's optimizer step can fall between two samples: not required)
-    assert {"no-grad forward", "forward", "backward", "adaptation"} <= phases
-    assert "adaptation" not in {p for _, p, _ in fp32["samples"]}  # L0 never probes
-    assert fp32["peak_by_phase"]["adaptation"] is None  # no sample: no peak, not 0
+    assert {"no-grad forward", "forward", "backward"} <= phases
+    # the CNN's saves are all measured in the backward, its BatchNorm inputs too: L2 adapts
+    # without probes, so no sample falls in an adaptation (NOTE [Measured BatchNorm inputs])
+    assert l2["adaptations"] >= 1 and fp32["adaptations"] == 0
+    for record in (fp32, l2):
+        assert "adaptation" not in {p for _, p, _ in record["samples"]}
+        assert record["peak_by_phase"]["adaptation"] is None  # no sample: no peak, not 0
     training = [v for p, v in l2["peak_by_phase"].items() if p != "no-grad forward" and v]
-    assert l2["peak_bytes"] == max(training) >= l2["peak_by_phase"]["adaptation"] > 0
+    assert l2["peak_bytes"] == max(training) > 0
     assert fp32["peak_bytes"] >= fp32["peak_by_phase"]["backward"] > l2["peak_by_phase"]["backward"]
     assert out_png.stat().st_size > 10_000

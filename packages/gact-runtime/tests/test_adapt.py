@@ -398,12 +398,14 @@ def test_report_shows_estimates_with_their_uncertainty() -> None:
         controller.iterate(make_closure(model, x, y))
     report = controller.report()
     quantized = [line for line in report.splitlines() if " quantized " in line]
-    # BatchNorm inputs are probed, the inputs of convolutions and linear layers measured
+    # the BatchNorm statistics and the pooling input are probed; the inputs of convolutions,
+    # linear layers and of BatchNorms a convolution produced are measured
     probed = [line for line in quantized if "±" in line]
     measured = [line for line in quantized if line.split()[5:7][1:] == ["m"]]
     assert probed and measured and len(probed) + len(measured) == len(quantized), report
-    assert any(line.startswith("bn1#0") for line in probed)
+    assert any(line.startswith("bn1#1") for line in probed)
     assert any(line.startswith("conv1#0") for line in measured)
+    assert any(line.startswith("bn1#0") for line in measured)
     # the ReLU outputs are on the zero-exact grid (no mask needed)
     assert any(line.split()[4].endswith("z") for line in quantized)
     assert "sensitivity: the gradient variance" in report.splitlines()[-1]

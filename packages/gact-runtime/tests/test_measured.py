@@ -519,3 +519,78 @@ def test_tensors_kept_at_full_precision_are_still_measured() -> None:
     assert widths == [[32, 32]] * 5
     assert plan.measured == set(plan.bits)
     assert all(c > 0 for c in plan.sensitivity.values())
+
+
+class _Normalised(nn.Module):
+    """``producer`` -> BatchNorm -> ReLU -> a linear head; ``residual``: the BatchNorm reads
+    the producer's output plus its input instead (no measured producer)."""
+
+    def __init__(self, producer: nn.Module, norm: nn.Module, head: int, residual=False) -> None:
+        super().__init__()
+        self.producer, self.norm, self.residual = producer, norm, residual
+        self.head = nn.Linear(head, 10)
+        with torch.no_grad():
+            self.norm.weight.uniform_(0.5, 2.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.producer(x)
+        return self.head(F.relu(self.norm(h + x if self.residual else h)).flatten(1))
+
+
+def _normalised(kind: str) -> tuple[nn.Module, torch.Tensor]:
+    """A model of ``kind`` and its input: a 4-level grid ({0, 1/3, 2/3, 1}, exact at 2 and 4
+    bits), so that only the BatchNorm input's rounding reaches the gradient of the producer's
+    weight and of the BatchNorm's."""
+    torch.manual_seed(0)
+    if kind == "conv2d":
+        model = _Normalised(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), 16 * 64)
+        shape = (32, 3, 8, 8)
+    elif kind == "grouped conv1d":
+        model = _Normalised(nn.Conv1d(4, 8, 5, padding=2, groups=2), nn.BatchNorm1d(8), 8 * 48)
+        shape = (32, 4, 48)
+    else:
+        model = _Normalised(nn.Linear(32, 24), nn.BatchNorm1d(24), 24)
+        shape = (256, 32)
+    return model, torch.randint(0, 4, shape).float() / 3
+
+
+@pytest.mark.parametrize("level", ["L1", "L1.2"])
+@pytest.mark.parametrize("kind", ["conv2d", "grouped conv1d", "linear"])
+def test_measured_batchnorm_inputs_predict_their_rounding_variance(kind: str, level: str) -> None:
+    """NOTE [Measured BatchNorm inputs]: the measured sensitivity of a BatchNorm's input that a
+    convolution or linear layer produced predicts ``E‖Δ grad‖²`` of the BatchNorm's weight and
+    the producer's, over 32 rounding seeds. The measurement leaves out a cross term and
+    second-order terms (with 64 seeds it was 0.95-1.03 of the truth on these six cases):
+    tolerance 4 standard errors of the empirical mean plus 15% of slack (false-alarm
+    probability under the normal approximation below 1e-4). Without the elementwise term
+    (``spread``) a linear case measured 0.39 of the truth."""
+    model, x = _normalised(kind)
+    y = torch.randint(0, 10, (x.shape[0],))
+    cfg = GactConfig.from_level(level, min_numel=100)  # the statistics (1-D) stay exact
+    exact = _grads(model, x, y, None)
+    controller, meter = measured_step(model, cfg, lambda: F.cross_entropy(model(x), y).backward())
+    stored = {key: r.bits for key, r in controller.ledger.view()[0].items()}
+    measured = meter.sensitivities()
+    assert not meter.probed, meter.probed
+    assert measured["producer#0:" + next(iter(stored)).split(":", 1)[1]] == 0.0  # on the grid
+    (key,) = [k for k in measured if k.startswith("norm#0")]
+    predicted = measured[key] * gact_policy.variance_factor(stored[key])
+    names = ("producer.weight", "norm.weight")
+    errors = []
+    for seed in range(1, 33):
+        g = _grads(model, x, y, cfg.replace(seed=seed))
+        errors.append(sum(float((g[n] - exact[n]).square().sum()) for n in names))
+    mean, se = np.mean(errors), np.std(errors, ddof=1) / math.sqrt(len(errors))
+    assert abs(mean - predicted) <= 4 * se + 0.15 * predicted, (mean, se, predicted)
+
+
+def test_batchnorm_inputs_no_measured_layer_produced_are_probed() -> None:
+    """A BatchNorm reading a residual sum (its error travels back along paths the meter does
+    not follow) leaves its input to the probes."""
+    _, x = _normalised("conv2d")
+    model = _Normalised(nn.Conv2d(3, 3, 3, padding=1), nn.BatchNorm2d(3), 3 * 64, residual=True)
+    y = torch.randint(0, 10, (x.shape[0],))
+    cfg = GactConfig.from_level("L1", min_numel=100)
+    _, meter = measured_step(model, cfg, lambda: F.cross_entropy(model(x), y).backward())
+    assert [k.split("#")[0] for k in meter.probed] == ["norm"]
+    assert "norm" not in {k.split("#")[0] for k in meter.sensitivities()}

@@ -20,6 +20,7 @@ from torch import nn
 from .errors import GactWarning
 from .ledger import Kind, SiteRecord
 from .measured import SensitivityMeter
+from .measured_norms import has_batch_norm
 from .plan import BitPlan, mix_seed
 from .probes import ProbeSession
 from .saved import SaveHooks
@@ -155,6 +156,7 @@ class Adapter:
 
     def __init__(self, model: nn.Module, plan: BitPlan, hooks: SaveHooks) -> None:
         self._model = model
+        self.batch_norms = has_batch_norm(model)  # NOTE [Measured BatchNorm inputs]
         self._plan = plan
         self._hooks = hooks
         self.count = 0
@@ -348,7 +350,7 @@ class Adapter:
         base_seeds = np.array(
             [mix_seed(seed, 0xBA5E, i) >> 1 for i in range(len(items.keys))], dtype=np.uint64
         )  # the seeds of the items a probe does not re-seed
-        meter = SensitivityMeter() if measured else None
+        meter = SensitivityMeter(batch_norms=self.batch_norms) if measured else None
         with ProbeSession(
             self._model, plan, self._hooks, closure, run_closure, items.keys, seed=seed,
             meter=meter,

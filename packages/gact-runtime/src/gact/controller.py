@@ -502,7 +502,7 @@ class Controller:
                 or self._remeasuring()
             )
         ):
-            self.hooks.meter = SensitivityMeter()
+            self.hooks.meter = SensitivityMeter(batch_norms=self.adapter.batch_norms)
             self.hooks.meter.start()
 
     def _remeasuring(self) -> bool:

@@ -28,6 +28,7 @@ from . import attention
 
 __all__ = [
     "DECISION_NODES",
+    "BatchNormUse",
     "Decision",
     "DecisionMode",
     "DecisionSpec",
@@ -207,6 +208,27 @@ class LinearUse:
         return self.conv is None or tensor.dim() == len(self.conv[4]) + 2
 
 
+@dataclass(frozen=True)
+class BatchNormUse:
+    """A BatchNorm on batch statistics, whose input a sensitivity meter measures from the
+    call's output gradient when a measured linear layer or convolution produced that input
+    (NOTE [Measured BatchNorm inputs] in measured_norms.py).
+
+    Args:
+        numel: elements of the input.
+        weight: the affine weight ``γ`` (``None``: the call has none).
+        eps: the call's ``eps``, added to each channel's variance.
+    """
+
+    numel: int
+    weight: torch.Tensor | None
+    eps: float
+
+    def reads(self, tensor: torch.Tensor) -> bool:
+        """Whether a save of ``tensor`` made during the call is the input."""
+        return tensor.numel() == self.numel and tensor.dim() >= 2
+
+
 # NOTE [Specs per call]
 # A spec is built by the rule of every call that has one, in every forward (a GELU, a
 # BatchNorm, a LayerNorm: one per layer), so it is a plain slotted dataclass: building a frozen
@@ -242,6 +264,8 @@ class DecisionSpec:
         row_length: elements per row of that argument.
         linear: the call reads one saved argument only linearly into a parameter's gradient;
             set only while a sensitivity meter runs (``measuring``).
+        batch_norm: the call is a BatchNorm on batch statistics; set only while a sensitivity
+            meter runs.
         only_decisions: the backward reads the call's saves only through the outcomes of
             ``predicates`` (or of ``y > 0`` on the zero-exact grid), which stay exact, so their
             rounding never reaches the gradient (NOTE [Measured sensitivities] in measured.py).
@@ -268,6 +292,7 @@ class DecisionSpec:
     rows_id: int | None = None
     row_length: int = 0
     linear: LinearUse | None = None
+    batch_norm: BatchNormUse | None = None
     only_decisions: bool = False
     shape_ids: frozenset[int] = frozenset()
     recompute: bool = False
@@ -592,17 +617,29 @@ def small_map_bits(tensor: torch.Tensor, nominal: int) -> int:
     return min(8, nominal + SMALL_MAP_EXTRA_BITS)
 
 
-def _batch_norm(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
-    x = _arg(args, kwargs, 0, "input", None)
-    if not isinstance(x, torch.Tensor) or x.dim() < 2 or not x.numel():
-        return None
-    # F.batch_norm and torch.batch_norm both take ``training`` sixth (nn.BatchNorm passes True
-    # whenever it normalises by the batch's statistics)
-    if not _arg(args, kwargs, 5, "training", False):
-        return None  # running statistics: a fixed affine map of the input
-    if not small_channels(x):
-        return None
-    return DecisionSpec(extra_bits=BATCH_NORM_EXTRA_BITS, precise_ids=frozenset({id(x)}))
+def _batch_norm(weight_at: int) -> _Rule:
+    """Rule of ``F.batch_norm`` (its weight fourth) or ``torch.batch_norm`` (second)."""
+
+    def rule(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
+        x = _arg(args, kwargs, 0, "input", None)
+        if not isinstance(x, torch.Tensor) or x.dim() < 2 or not x.numel():
+            return None
+        # both take ``training`` sixth and ``eps`` eighth (nn.BatchNorm passes True whenever
+        # it normalises by the batch's statistics)
+        if not _arg(args, kwargs, 5, "training", False):
+            return None  # running statistics: a fixed affine map of the input
+        use = None
+        if measuring():
+            weight = _arg(args, kwargs, weight_at, "weight", None)
+            eps = float(_arg(args, kwargs, 7, "eps", 1e-5))
+            use = BatchNormUse(x.numel(), weight if isinstance(weight, torch.Tensor) else None, eps)
+        if not small_channels(x):
+            return None if use is None else DecisionSpec(batch_norm=use)
+        return DecisionSpec(
+            extra_bits=BATCH_NORM_EXTRA_BITS, precise_ids=frozenset({id(x)}), batch_norm=use
+        )
+
+    return rule
 
 
 def _row_norm(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
@@ -780,7 +817,8 @@ def _rules() -> dict[Callable[..., Any], _Rule]:
     add(_gelu, F.gelu)
     add(_silu, F.silu)
     add(_attention, F.scaled_dot_product_attention)
-    add(_batch_norm, F.batch_norm, torch.batch_norm)
+    add(_batch_norm(3), F.batch_norm)
+    add(_batch_norm(1), torch.batch_norm)  # and aten's, which shares its name and schema
     add(_row_norm, F.layer_norm, torch.layer_norm)
     add(_row_norm, getattr(F, "rms_norm", None), getattr(torch, "rms_norm", None))
     source = _shape_only(3, "source")

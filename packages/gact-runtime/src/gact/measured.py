@@ -12,7 +12,8 @@ import gact_policy
 import torch
 
 from . import decisions, rotation
-from .decisions import DecisionSpec, LinearUse
+from .decisions import BatchNormUse, DecisionSpec, LinearUse
+from .measured_norms import Normalised, Producer
 
 if TYPE_CHECKING:
     from .saved import SavedCompressed
@@ -52,14 +53,20 @@ __all__ = ["SensitivityMeter"]
 # their rounding never reaches the gradient, sensitivity 0), or is two-valued (stored exactly
 # at its pinned 1 bit: NOTE [Two-valued tensors] in adapt.py); any other reader
 # (normalisations, attention, pointwise derivatives, products of two activations) leaves it
-# to the probes. Cost, on the steps the meter runs only: one dequantization and one reduction
-# per measured save, one reduction (a ones-kernel convolution) per backward; counted as
-# adaptation time (``seconds``).
+# to the probes, but for BatchNorm inputs that such a layer produced (NOTE [Measured BatchNorm
+# inputs] in measured_norms.py). Cost, on the steps the meter runs only: one dequantization and
+# one reduction per measured save, one reduction (a ones-kernel convolution) per backward;
+# counted as adaptation time (``seconds``).
 
 
 class SensitivityMeter:
     """Measures the sensitivities of the keys whose saves are read linearly (NOTE above) over
     the forwards and backwards that run while it is attached to a controller's hooks.
+
+    Args:
+        batch_norms: measure the inputs of BatchNorm modules a measured layer produced (NOTE
+            [Measured BatchNorm inputs] in measured_norms.py); ``False`` for models without
+            any (their producers' quantities would go unused).
 
     Example::
 
@@ -76,12 +83,14 @@ class SensitivityMeter:
         (['<root>#0:float32:2d'], True)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, batch_norms: bool = True) -> None:
+        self._batch_norms = batch_norms
         self._terms: dict[str, list[torch.Tensor]] = {}
         self._waiting: dict[int, _Measurement] = {}  # measurements whose backward has not run
         self.seen: set[str] = set()  # keys saved while the meter ran
         self.probed: set[str] = set()  # ... among them, read some way the meter cannot measure
         self.seconds = 0.0
+        self._producer: Producer | None = None  # NOTE [Measured BatchNorm inputs]
 
     def start(self) -> None:
         """Make linear calls publish their use (``decisions.measuring``) until ``stop()`` or
@@ -90,6 +99,7 @@ class SensitivityMeter:
 
     def stop(self) -> None:
         decisions.set_measuring(self, False)
+        self._producer = None
 
     def saved(
         self,
@@ -133,7 +143,7 @@ class SensitivityMeter:
     ) -> None:
         start = time.perf_counter()
         self.seen.add(key)
-        use = None if spec is None else spec.linear
+        use = None if spec is None else spec.linear or spec.batch_norm
         if use is not None and use.reads(tensor):
             measurement = _Measurement.of(self, key, payload(), tensor, use, rotated)
             if measurement is None:
@@ -153,6 +163,22 @@ class SensitivityMeter:
             self.probed.add(measurement.key)
         else:
             self._terms.setdefault(measurement.key, []).append(term)
+
+    def produced(self, out: torch.Tensor, source: torch.Tensor, use: LinearUse) -> None:
+        """A measured call with ``use`` read ``source`` and returned ``out``: keep what a
+        BatchNorm reading ``out`` next needs of them (NOTE [Measured BatchNorm inputs]), if
+        the model has BatchNorms."""
+        if not self._batch_norms:
+            return
+        if self._producer is None or self._producer.output() is not out:
+            self._producer = Producer.of(out, source, use)
+
+    def producer_of(self, x: torch.Tensor) -> Producer | None:
+        """The measured call that produced ``x`` as it is now, if it was the last one."""
+        producer = self._producer
+        if producer is None or producer.output() is not x or x._version != producer.version:
+            return None
+        return producer
 
     def sensitivities(self) -> dict[str, float]:
         """The measured keys' sensitivities, summed over their saves (one device
@@ -174,15 +200,25 @@ class SensitivityMeter:
 
 
 class _Measurement:
-    """One measured save: its per-row rounding error mass, waiting for its call's output
-    gradient."""
+    """One measured save: its rounding error mass (per row, or per sample and channel group;
+    per sample and channel with a BatchNorm's channel weights), waiting for its call's output
+    gradient, and for a producer's input, ``source``, until the call returns."""
 
-    __slots__ = ("factor", "key", "mass", "meter", "use")
+    __slots__ = ("factor", "key", "mass", "meter", "normalised", "source", "use")
 
     def __init__(
-        self, meter: SensitivityMeter, key: str, mass: torch.Tensor, bits: int, use: LinearUse
+        self,
+        meter: SensitivityMeter,
+        key: str,
+        mass: torch.Tensor,
+        bits: int,
+        use: LinearUse | BatchNormUse,
+        *,
+        normalised: Normalised | None = None,
+        source: torch.Tensor | None = None,
     ) -> None:
         self.meter, self.key, self.mass, self.use = meter, key, mass, use
+        self.normalised, self.source = normalised, source
         self.factor = float(gact_policy.variance_factor(bits))
 
     @classmethod
@@ -192,14 +228,19 @@ class _Measurement:
         key: str,
         payload: gact_kernels.Compressed | None,
         tensor: torch.Tensor,
-        use: LinearUse,
+        use: LinearUse | BatchNormUse,
         rotated: rotation.Rotated | None = None,
     ) -> _Measurement | None:
         """The measurement of ``tensor`` stored as ``payload`` (``None`` or not a quantized
         container holding its values as they are, or in their ``rotated`` form: not
-        measurable)."""
+        measurable; nor is a BatchNorm input no measured producer made)."""
         if not isinstance(payload, gact_kernels.QuantizedTensor):
             return None
+        producer = None
+        if isinstance(use, BatchNormUse):  # NOTE [Measured BatchNorm inputs]
+            producer = meter.producer_of(tensor)
+            if producer is None or rotated is not None:
+                return None
         with torch.no_grad():  # the exact variance d (s - d): gact_kernels.rounding_steps
             values = gact_kernels.decompress(payload).view(tensor.shape)
             steps = gact_kernels.rounding_steps(payload).view(tensor.shape)
@@ -208,25 +249,47 @@ class _Measurement:
             error = steps.sub_(d).mul_(d).clamp_(min=0.0)
             if rotated is not None:  # NOTE [Rotated groups]
                 error = rotated.spread(error)
+            if producer is not None:
+                found = producer.normalised(tensor, use, payload, error)
+                return cls(meter, key, found.mass, payload.bits, use, normalised=found)
             if use.conv is None:
                 mass = error.reshape(-1, tensor.shape[-1]).sum(1)
             else:
                 groups = use.conv[3]
                 n, c = tensor.shape[:2]
                 mass = error.view(n, groups, c // groups, *tensor.shape[2:]).sum(2)
-        return cls(meter, key, mass, payload.bits, use)
+        return cls(meter, key, mass, payload.bits, use, source=tensor)
 
     def called(self, out: Any) -> None:
-        """The call returned ``out``: its gradient is ``g`` (see ``decisions.await_output``)."""
-        if isinstance(out, torch.Tensor) and out.requires_grad:
-            out.register_hook(self._grad)
-        else:
+        """The call returned ``out``: its gradient is ``g`` (see ``decisions.await_output``);
+        a BatchNorm's node also gives its weight's gradient."""
+        source, self.source = self.source, None
+        if not (isinstance(out, torch.Tensor) and out.requires_grad):
             self.meter.add(self, None)
+            return
+        node = out.grad_fn
+        if self.normalised is not None and "BatchNorm" in type(node).__name__:
+            node.register_hook(self._node)
+        else:
+            out.register_hook(self._grad)
+        if source is not None:
+            start = time.perf_counter()
+            self.meter.produced(out, source, self.use)
+            self.meter.seconds += time.perf_counter() - start
 
-    def _grad(self, g: torch.Tensor) -> None:
+    def _node(self, grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
+        """A BatchNorm's node ran: its output's gradient, and its inputs' (input, weight,
+        bias)."""
+        weight = grad_inputs[1] if len(grad_inputs) > 1 else None
+        self._grad(grad_outputs[0], weight)
+
+    def _grad(self, g: torch.Tensor, weight: torch.Tensor | None = None) -> None:
         start = time.perf_counter()
         with torch.no_grad():
-            term = _term(self.mass, g.detach(), self.use)
+            if self.normalised is not None:
+                term = self.normalised.term(g.detach(), weight)
+            else:
+                term = _term(self.mass, g.detach(), self.use)
         self.meter.add(self, None if term is None else term / self.factor)
         self.meter.seconds += time.perf_counter() - start
 
