@@ -390,24 +390,31 @@ def test_cheaper_probes_are_afforded_sooner() -> None:
         controller.iterate(make_closure(model, x, y))  # still usable
 
 
-def test_report_shows_estimates_with_their_uncertainty() -> None:
-    model, x, y = make_case("cnn")
+@pytest.mark.parametrize("case", ["cnn", "transformer"])
+def test_report_shows_estimates_with_their_uncertainty(case: str) -> None:
+    model, x, y = make_case(case)
     with Controller(
         model, GactConfig.from_level("L2", min_numel=0, adapt_first_gap=0)
     ) as controller:
         controller.iterate(make_closure(model, x, y))
     report = controller.report()
     quantized = [line for line in report.splitlines() if " quantized " in line]
-    # the BatchNorm statistics and the pooling input are probed; the inputs of convolutions,
-    # linear layers and of BatchNorms a convolution produced are measured
-    probed = [line for line in quantized if "±" in line]
     measured = [line for line in quantized if line.split()[5:7][1:] == ["m"]]
-    assert probed and measured and len(probed) + len(measured) == len(quantized), report
-    assert any(line.startswith("bn1#1") for line in probed)
-    assert any(line.startswith("conv1#0") for line in measured)
-    assert any(line.startswith("bn1#0") for line in measured)
-    # the ReLU outputs are on the zero-exact grid (no mask needed)
-    assert any(line.split()[4].endswith("z") for line in quantized)
+    probed = [line for line in quantized if line not in measured]
+    assert probed and measured, report
+    if case == "cnn":
+        # the inputs of convolutions, of the linear layer and of the BatchNorms a convolution
+        # produced are measured, the pooled ReLU output at 0; the BatchNorms' statistics (4
+        # items, each probed alone by the reference method: no standard error) are probed
+        assert {line.split("#")[0] for line in probed} == {"bn1", "bn2"}
+        assert all(line.split("#")[1].startswith(("1:", "2:")) for line in probed)
+        assert {"conv1", "bn1", "bn2", "fc"} <= {line.split("#")[0] for line in measured}
+        # the ReLU outputs are on the zero-exact grid (no mask needed)
+        assert any(line.split()[4].endswith("z") for line in quantized)
+    else:  # LayerNorm inputs, attention, GELU inputs: probed pairwise, with a standard error
+        assert all("±" in line for line in probed), report
+        assert any(line.startswith("ln1#") for line in probed)
+        assert any(line.startswith("qkv#") for line in measured)
     assert "sensitivity: the gradient variance" in report.splitlines()[-1]
 
 

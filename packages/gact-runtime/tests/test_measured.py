@@ -594,3 +594,75 @@ def test_batchnorm_inputs_no_measured_layer_produced_are_probed() -> None:
     _, meter = measured_step(model, cfg, lambda: F.cross_entropy(model(x), y).backward())
     assert [k.split("#")[0] for k in meter.probed] == ["norm"]
     assert "norm" not in {k.split("#")[0] for k in meter.sensitivities()}
+
+
+@pytest.mark.parametrize(
+    "pool",
+    [
+        lambda x: F.max_pool2d(x, 3, 2, 1),
+        lambda x: F.max_pool2d(x.contiguous(memory_format=torch.channels_last), 2),
+        lambda x: F.max_pool1d(x.flatten(2), 3),
+        lambda x: F.max_pool3d(x.unsqueeze(2).expand(-1, -1, 4, -1, -1), 2),
+        lambda x: F.adaptive_max_pool2d(x, 3),
+        lambda x: F.adaptive_max_pool1d(x.flatten(2), 5),
+    ],
+    ids=["2d", "2d channels_last", "1d", "3d", "adaptive 2d", "adaptive 1d"],
+)
+def test_max_pooling_reads_its_input_only_for_its_shape(pool) -> None:
+    """The premise of measuring a max pooling's input at 0: with NaNs in place of every
+    floating-point tensor its backward saved, the input's gradient is exact, bit for bit."""
+    x = torch.randn(2, 3, 9, 9, requires_grad=True)
+    g = torch.randn_like(pool(x))
+    (exact,) = torch.autograd.grad(pool(x), x, g)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(t, math.nan) if t.is_floating_point() else t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = pool(x * 1.0)  # a non-leaf input, saved through the hook
+    (grad,) = torch.autograd.grad(y, x, g)
+    assert torch.equal(grad, exact)
+
+
+def test_a_max_pooled_relu_output_needs_no_probe() -> None:
+    """The ResNet stem's pattern (conv, BatchNorm, ReLU, max pooling, conv): every save is
+    measured, the pooled ReLU output at 0, so an adaptation runs no probe."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+        nn.MaxPool2d(3, 2, 1), nn.Conv2d(8, 8, 3, padding=1), nn.Flatten(), nn.Linear(8 * 64, 10),
+    )  # fmt: skip
+    x, y = torch.randn(16, 3, 16, 16), torch.randint(0, 10, (16,))
+    _, meter = measured_step(
+        model,
+        GactConfig.from_level("L2", min_numel=100),
+        lambda: F.cross_entropy(model(x), y).backward(),
+    )
+    measured = meter.sensitivities()
+    assert not meter.probed, meter.probed
+    pooled = [k for k in measured if k.startswith("2#")]  # the in-place ReLU's output
+    assert pooled and all(measured[k] == 0.0 for k in pooled)
+    assert any(k.startswith("1#") and measured[k] > 0 for k in measured)  # the BatchNorm input
+
+
+def test_measuring_adaptations_of_a_fully_measured_model_keep_to_the_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NOTE [Measuring steps]: a model with nothing to probe (an MLP) still pays for its
+    measurements. With a measurement that looks half as long as a training step, the first
+    measuring adaptation is always made; after it, none lifts the time spent adapting above
+    5% of the training time. Before, a measuring adaptation was predicted to cost nothing: it
+    ran whenever the time already spent was within the budget, and its own cost then took the
+    overhead to 9%."""
+    model, counted, calls = _counted("mlp")
+    cfg = GactConfig.from_level("L2", min_numel=0, adapt_first_gap=1, adapt_budget=0.05)
+    fake_clocks(monkeypatch, training=1.0, adapting=0.05)
+    after = []  # the overhead after each adaptation but the first
+    with Controller(model, cfg) as controller:
+        for _ in range(60):
+            count = controller.adapter.count
+            controller.iterate(counted)
+            if 1 <= count < controller.adapter.count:
+                after.append(controller.stats()["adaptation_overhead"])
+    assert calls[0] == 60  # no probe
+    assert len(after) >= 2 and max(after) <= 0.05, after

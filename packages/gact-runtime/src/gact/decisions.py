@@ -267,8 +267,9 @@ class DecisionSpec:
         batch_norm: the call is a BatchNorm on batch statistics; set only while a sensitivity
             meter runs.
         only_decisions: the backward reads the call's saves only through the outcomes of
-            ``predicates`` (or of ``y > 0`` on the zero-exact grid), which stay exact, so their
-            rounding never reaches the gradient (NOTE [Measured sensitivities] in measured.py).
+            ``predicates`` (or of ``y > 0`` on the zero-exact grid), which stay exact, or only
+            for their shape (max pooling), so their rounding never reaches the gradient (NOTE
+            [Measured sensitivities] in measured.py).
         shape_ids: ``id()`` of the call's arguments whose saves the backward reads only for
             their shape: stored as the shape alone (NOTE [Shape-only saves]).
         recompute: the call runs as ``attention.recomputed``, whose backward recomputes it from
@@ -829,12 +830,28 @@ def _rules() -> dict[Callable[..., Any], _Rule]:
     return table
 
 
+# Max pooling's backward scatters the output gradient through the indices it saved; its saved
+# input gives only the gradient's shape and layout (on this PyTorch's CPU and CUDA kernels,
+# which ``tests/test_measured.py`` checks by reading NaNs in its place), so its rounding never
+# reaches the gradient: to a meter, a read like an exact decision's. Only the meter is told so;
+# the input is stored as before (another PyTorch's kernel might read it).
+_POOLED = DecisionSpec(only_decisions=True)
+_MAX_POOLS = tuple(
+    getattr(F, f"{kind}max_pool{d}d{suffix}")
+    for kind in ("", "adaptive_")
+    for d in (1, 2, 3)
+    for suffix in ("", "_with_indices")
+)
+
+
 def _meter_rules() -> dict[Callable[..., Any], _Rule]:
-    """The rules of calls that read a save linearly into a parameter's gradient: they matter
-    only while a sensitivity meter runs (NOTE [Measured sensitivities] in measured.py)."""
+    """The rules of calls that read a save linearly into a parameter's gradient, or whose
+    reads never carry its rounding into the gradient (max pooling): they matter only while a
+    sensitivity meter runs (NOTE [Measured sensitivities] in measured.py)."""
     T = torch.Tensor
     matmul = _product((0, "input"), (1, "other"), matrix=True)
     return {
+        **dict.fromkeys(_MAX_POOLS, _always(_POOLED)),
         F.linear: _product((0, "input"), (1, "weight"), matrix=False),
         **dict.fromkeys((torch.addmm, T.addmm), _product((1, "mat1"), (2, "mat2"), matrix=True)),
         **dict.fromkeys((torch.matmul, T.matmul, T.__matmul__), matmul),

@@ -87,7 +87,7 @@ class Producer:
             return None
         with torch.no_grad():
             x, u = out.detach().float(), source.detach().float()
-            var, mean = torch.var_mean(x, [0, *range(2, x.dim())], correction=0, keepdim=True)
+            mean, var = _channel_moments(x)
             if conv is None:
                 h = (x.T @ u).sub_(mean.view(-1, 1) * u.sum(0))
                 norms, groups = torch.linalg.vector_norm(u, dim=1).square_(), 1
@@ -101,12 +101,16 @@ class Producer:
                 )  # Σ u over every window, per output channel
                 h = weight_grad(u, shape, x, **options)
                 h.sub_(sums.mul_(mean.view(-1, *[1] * (h.dim() - 1))))
-                n = u.shape[0]
-                squares = torch.linalg.vector_norm(u.reshape(n, groups, -1, *u.shape[2:]), dim=2)
+                squares = torch.cat(
+                    [
+                        s.reshape(len(s), groups, -1, *u.shape[2:]).square().sum(2)
+                        for s in _slices(u)
+                    ]
+                )  # per sample, group and position: Σ u² over the group's channels
                 ones = u.new_ones((groups, 1, *kernel))
-                norms = _CONVOLUTION[len(kernel)](squares.square_(), ones, **options)
+                norms = _CONVOLUTION[len(kernel)](squares, ones, **options)
             hnorm = h.flatten(1).square().sum(1)
-        return cls(out, mean, var.flatten(), hnorm, norms, groups)
+        return cls(out, mean, var, hnorm, norms, groups)
 
     def normalised(
         self,
@@ -175,6 +179,31 @@ class Normalised:
             stored = gact_kernels.decompress(self.payload).view(g.shape).float()
             d = stored.sub_(self.mean).mul_(g).sum([0, *range(2, g.dim())])
         return term + d.square_().dot(self.spread)
+
+
+# NOTE [Batch slices]
+# Reductions over a tensor's batch and positions that keep its channels (``var_mean`` over
+# dimensions 0, 2, 3; ``vector_norm`` over dimension 1) run 16-30x slower on the CPU than an
+# elementwise square and a sum over the trailing dimensions (3.6 and 7.3 ms against 0.2 ms for
+# 128 x 16 x 28 x 28 on 2 threads), and the fast form needs a temporary of the tensor's size,
+# which would raise a measuring step's peak. So they run over slices of the batch, each an
+# eighth of it: the temporaries take an eighth of the memory, at the fast form's speed.
+_SLICES = 8
+
+
+def _slices(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``x`` split along its batch into at most ``_SLICES`` slices (NOTE [Batch slices])."""
+    return x.split(max(1, -(-x.shape[0] // _SLICES)))
+
+
+def _channel_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean (shaped to broadcast against ``x``) and the variance of each channel
+    (dimension 1) of ``x``, over its batch and positions (NOTE [Batch slices])."""
+    dims = [0, *range(2, x.dim())]
+    count = x.numel() // x.shape[1]
+    mean = x.sum(dims, keepdim=True).div_(count)
+    var = sum((s - mean).square_().sum(dims) for s in _slices(x))
+    return mean, var.div_(count)
 
 
 _CONVOLUTION = {
