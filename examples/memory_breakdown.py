@@ -217,11 +217,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--compile", default=None, help="torch.compile backend (inductor, aot_eager)")
     p.add_argument("--json", default="memory_breakdown.json")
     p.add_argument("--out", default="memory_breakdown.png")
+    p.add_argument(
+        "--default-malloc",
+        action="store_true",
+        help="leave glibc's malloc as a user's process has it (peaks then include what it keeps)",
+    )
     p.add_argument("--one", nargs=2, metavar=("TASK", "LEVEL"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.one:
-        tune_malloc_for_measurement()
+        if not args.default_malloc:
+            tune_malloc_for_measurement()
         print(json.dumps(measure(args.one[0], args.one[1], args)))
         return
     records = []

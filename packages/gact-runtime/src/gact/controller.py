@@ -488,8 +488,8 @@ class Controller:
     # schedule's steps counted from the last adaptation of any kind (first_gap, twice that,
     # ...), if the budget affords the last measuring adaptation's cost again. A model with
     # nothing to probe measures when the budget affords its last measurement's cost (predicted
-    # free, a measurement of a BatchNorm CNN ran whenever the time already spent was within the
-    # budget, and took the MNIST example's overhead to 5.8-6.3%). Such a step
+    # to cost nothing, a measurement ran whenever the time already spent was within the budget:
+    # 5.8-6.3% of the MNIST example's training time). Such a step
     # adapts the measured tensors and holds the others (NOTE [Held tensors] in adapt.py). So
     # the measured tensors follow training at a fraction of a step per adaptation (a
     # transformer's queries, insensitive at initialisation, are not left at 1 bit until the

@@ -831,10 +831,10 @@ def _rules() -> dict[Callable[..., Any], _Rule]:
 
 
 # Max pooling's backward scatters the output gradient through the indices it saved; its saved
-# input gives only the gradient's shape and layout (on this PyTorch's CPU and CUDA kernels,
-# which ``tests/test_measured.py`` checks by reading NaNs in its place), so its rounding never
-# reaches the gradient: to a meter, a read like an exact decision's. Only the meter is told so;
-# the input is stored as before (another PyTorch's kernel might read it).
+# input gives only the gradient's shape and layout (checked on the CPU by
+# ``tests/test_measured.py``, NaNs in its place giving the exact gradient; not yet on CUDA), so
+# its rounding never reaches the gradient: to a meter, a read like an exact decision's. Only the
+# meter is told so; the input is stored as before (another PyTorch's kernel might read it).
 _POOLED = DecisionSpec(only_decisions=True)
 _MAX_POOLS = tuple(
     getattr(F, f"{kind}max_pool{d}d{suffix}")

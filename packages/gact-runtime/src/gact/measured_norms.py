@@ -41,14 +41,16 @@ __all__ = ["Normalised", "Producer", "has_batch_norm"]
 # per sample and channel waits for the backward, not a tensor). Left out: the cross term
 # ``2 k² D Σ Var ε_i g_i (u_i · H)``, which needs a tensor in the backward (the measurement was
 # 0.95-1.03 of the truth on single layers, ``test_measured.py``), and whatever the producer's
-# own input gradient
-# carries further back: the term is the error of ``γ`` and of the producer's weight. Once
-# trained a little that is most of the effect: on the ResNet-18 layout's 20 BatchNorm inputs
-# after 50 and 200 steps (``examples/diagnose_adaptation.py --model resnet18``), 0.62-1.45 of
-# the true effect on every parameter, median 0.93-0.95, rank correlation 0.98-1.00; at
-# initialisation, where the error spreads further back, 0.01-1.31 (median 0.17; BENCHMARKS.md,
-# "Measured BatchNorm inputs"). A BatchNorm whose input no measured producer made (a residual
-# sum, an activation, a producer whose input is kept below ``min_numel``) is probed.
+# own input gradient carries further back: the term is the error of ``γ`` and of the
+# producer's weight. Once trained a little that is most of the effect: on the ResNet-18
+# layout's 20 BatchNorm inputs after 50 and 200 steps (``examples/diagnose_adaptation.py
+# --model resnet18``, two runs), 0.62-1.45 of the true effect on every parameter, median
+# 0.93-0.95, rank correlation 0.98-1.00; at initialisation, where the error spreads further
+# back, 0.01-1.31 (median 0.17; BENCHMARKS.md, "Measured BatchNorm inputs"). A BatchNorm
+# whose input no measured producer made (a residual sum, an activation, a producer whose input
+# is kept below ``min_numel``) is probed, and so is every BatchNorm input of a model holding
+# no BatchNorm module (``has_batch_norm``: ``F.batch_norm`` called directly), whose meter keeps
+# no producer's quantities.
 
 
 def has_batch_norm(model: nn.Module) -> bool:
