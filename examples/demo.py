@@ -40,9 +40,10 @@ live peak: the most tensor bytes alive at once in one step of that run (what a G
   and the backward pass's working set are not compressed.
 fp32/level: how many times less than fp32.
 Speed is not compared: on a shared CPU the step-time noise exceeds GACT's overhead (see
-  BENCHMARKS.md). Adaptive levels (L2, L2.2) allocate their bits after the first step without
-  probes; their sensitivity probes (1 + K extra forward/backward passes) run only when they cost
-  at most 5% of the training time so far, which a run this short may never reach."""
+  BENCHMARKS.md). Adaptive levels (L2, L2.2) allocate their bits after the first step as if
+  every tensor were equally sensitive, then re-allocate from sensitivities measured in the
+  backward (this CNN's convolution and BatchNorm inputs: no extra forward or backward pass),
+  whenever that costs at most 5% of the training time so far."""
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
