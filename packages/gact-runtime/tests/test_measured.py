@@ -521,7 +521,7 @@ def test_tensors_kept_at_full_precision_are_still_measured() -> None:
     assert all(c > 0 for c in plan.sensitivity.values())
 
 
-class _Normalised(nn.Module):
+class _ProducerThenNorm(nn.Module):
     """``producer`` -> BatchNorm -> ReLU -> a linear head; ``residual``: the BatchNorm reads
     the producer's output plus its input instead (no measured producer)."""
 
@@ -543,13 +543,15 @@ def _normalised(kind: str) -> tuple[nn.Module, torch.Tensor]:
     weight and of the BatchNorm's."""
     torch.manual_seed(0)
     if kind == "conv2d":
-        model = _Normalised(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), 16 * 64)
+        model = _ProducerThenNorm(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), 16 * 64)
         shape = (32, 3, 8, 8)
     elif kind == "grouped conv1d":
-        model = _Normalised(nn.Conv1d(4, 8, 5, padding=2, groups=2), nn.BatchNorm1d(8), 8 * 48)
+        model = _ProducerThenNorm(
+            nn.Conv1d(4, 8, 5, padding=2, groups=2), nn.BatchNorm1d(8), 8 * 48
+        )
         shape = (32, 4, 48)
     else:
-        model = _Normalised(nn.Linear(32, 24), nn.BatchNorm1d(24), 24)
+        model = _ProducerThenNorm(nn.Linear(32, 24), nn.BatchNorm1d(24), 24)
         shape = (256, 32)
     return model, torch.randint(0, 4, shape).float() / 3
 
@@ -588,7 +590,9 @@ def test_batchnorm_inputs_no_measured_layer_produced_are_probed() -> None:
     """A BatchNorm reading a residual sum (its error travels back along paths the meter does
     not follow) leaves its input to the probes."""
     _, x = _normalised("conv2d")
-    model = _Normalised(nn.Conv2d(3, 3, 3, padding=1), nn.BatchNorm2d(3), 3 * 64, residual=True)
+    model = _ProducerThenNorm(
+        nn.Conv2d(3, 3, 3, padding=1), nn.BatchNorm2d(3), 3 * 64, residual=True
+    )
     y = torch.randint(0, 10, (x.shape[0],))
     cfg = GactConfig.from_level("L1", min_numel=100)
     _, meter = measured_step(model, cfg, lambda: F.cross_entropy(model(x), y).backward())
