@@ -670,3 +670,22 @@ def test_measuring_adaptations_of_a_fully_measured_model_keep_to_the_budget(
                 after.append(controller.stats()["adaptation_overhead"])
     assert calls[0] == 60  # no probe
     assert len(after) >= 2 and max(after) <= 0.05, after
+
+
+def test_batchnorm_inputs_are_measured_under_autocast() -> None:
+    """A measuring step of a CNN under bf16 autocast: the meter's own products (the producer's
+    ``H``, the window norms) run in fp32, outside autocast; under it they came out in bf16 and
+    the backward's term failed on a dot of an fp32 and a bf16 vector."""
+    model, x = _normalised("conv2d")
+    y = torch.randint(0, 10, (x.shape[0],))
+
+    def backward() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+
+    _, meter = measured_step(model, GactConfig.from_level("L1", min_numel=100), backward)
+    measured = meter.sensitivities()
+    assert not meter.probed, meter.probed
+    (key,) = [k for k in measured if k.startswith("norm#0")]
+    assert math.isfinite(measured[key]) and measured[key] > 0

@@ -87,7 +87,7 @@ class Producer:
         conv = use.conv
         if conv is None and (out.dim() != 2 or source.dim() != 2):
             return None
-        with torch.no_grad():
+        with torch.no_grad(), _fp32(out):
             x, u = out.detach().float(), source.detach().float()
             mean, var = _channel_moments(x)
             if conv is None:
@@ -123,6 +123,16 @@ class Producer:
     ) -> Normalised:
         """What the term of the BatchNorm input ``x`` (this call's output) stored as
         ``payload``, with per-element rounding variance ``variance``, needs from the forward."""
+        with _fp32(x):
+            return self._normalised(x, use, payload, variance.float())
+
+    def _normalised(
+        self,
+        x: torch.Tensor,
+        use: BatchNormUse,
+        payload: gact_kernels.QuantizedTensor,
+        variance: torch.Tensor,
+    ) -> Normalised:
         invstd = self.var.add(use.eps).rsqrt_()
         m = x.numel() // x.shape[1]
         gamma = use.weight
@@ -172,6 +182,10 @@ class Normalised:
         (``Σ g (x̂ - μ) / σ``, from the stored values); ``None`` if the shapes disagree."""
         if tuple(g.shape[: self.mass.dim()]) != tuple(self.mass.shape):
             return None
+        with _fp32(g):
+            return self._term(g, weight)
+
+    def _term(self, g: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
         rows = g.reshape(*self.mass.shape, -1)
         square = torch.linalg.vector_norm(rows, dim=2, dtype=torch.float32).square_()
         term = square.mul_(self.mass).mv(self.weights).sum() / rows.shape[2]
@@ -181,6 +195,12 @@ class Normalised:
             stored = gact_kernels.decompress(self.payload).view(g.shape).float()
             d = stored.sub_(self.mean).mul_(g).sum([0, *range(2, g.dim())])
         return term + d.square_().dot(self.spread)
+
+
+def _fp32(t: torch.Tensor) -> torch.autocast:
+    """No autocast on ``t``'s device: the meter's products are fp32 whatever the step runs in
+    (under a bf16 autocast the producer's ``H`` came out in bf16)."""
+    return torch.autocast(t.device.type, enabled=False)
 
 
 # NOTE [Batch slices]
