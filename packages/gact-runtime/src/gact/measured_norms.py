@@ -123,29 +123,21 @@ class Producer:
     ) -> Normalised:
         """What the term of the BatchNorm input ``x`` (this call's output) stored as
         ``payload``, with per-element rounding variance ``variance``, needs from the forward."""
+        variance = variance.float()
         with _fp32(x):
-            return self._normalised(x, use, payload, variance.float())
-
-    def _normalised(
-        self,
-        x: torch.Tensor,
-        use: BatchNormUse,
-        payload: gact_kernels.QuantizedTensor,
-        variance: torch.Tensor,
-    ) -> Normalised:
-        invstd = self.var.add(use.eps).rsqrt_()
-        m = x.numel() // x.shape[1]
-        gamma = use.weight
-        k2 = invstd.pow(6).div_(m * m)  # (γ / (M σ³))²
-        if gamma is not None:
-            k2.mul_(gamma.detach().float().square())
-        weights = self.hnorm * k2
-        trains = gamma is not None and gamma.requires_grad
-        if trains:
-            weights.add_(invstd.square())
-        spread = self.window_norms(variance).mul_(k2)
-        mass = variance.reshape(*x.shape[:2], -1).sum(2)
-        return Normalised(mass, weights, spread, invstd if trains else None, self.mean, payload)
+            invstd = self.var.add(use.eps).rsqrt_()
+            m = x.numel() // x.shape[1]
+            gamma = use.weight
+            k2 = invstd.pow(6).div_(m * m)  # (γ / (M σ³))²
+            if gamma is not None:
+                k2.mul_(gamma.detach().float().square())
+            weights = self.hnorm * k2
+            trains = gamma is not None and gamma.requires_grad
+            if trains:
+                weights.add_(invstd.square())
+            spread = self.window_norms(variance).mul_(k2)
+            mass = variance.reshape(*x.shape[:2], -1).sum(2)
+            return Normalised(mass, weights, spread, invstd if trains else None, self.mean, payload)
 
     def window_norms(self, variance: torch.Tensor) -> torch.Tensor:
         """Per output channel, ``Σ Var ε_i ‖u_i‖²`` for the output's rounding ``variance``."""
@@ -183,18 +175,15 @@ class Normalised:
         if tuple(g.shape[: self.mass.dim()]) != tuple(self.mass.shape):
             return None
         with _fp32(g):
-            return self._term(g, weight)
-
-    def _term(self, g: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
-        rows = g.reshape(*self.mass.shape, -1)
-        square = torch.linalg.vector_norm(rows, dim=2, dtype=torch.float32).square_()
-        term = square.mul_(self.mass).mv(self.weights).sum() / rows.shape[2]
-        if self.invstd is not None and weight is not None:
-            d = weight.float() / self.invstd
-        else:  # no weight's gradient: from the stored values
-            stored = gact_kernels.decompress(self.payload).view(g.shape).float()
-            d = stored.sub_(self.mean).mul_(g).sum([0, *range(2, g.dim())])
-        return term + d.square_().dot(self.spread)
+            rows = g.reshape(*self.mass.shape, -1)
+            square = torch.linalg.vector_norm(rows, dim=2, dtype=torch.float32).square_()
+            term = square.mul_(self.mass).mv(self.weights).sum() / rows.shape[2]
+            if self.invstd is not None and weight is not None:
+                d = weight.float() / self.invstd
+            else:  # no weight's gradient: from the stored values
+                stored = gact_kernels.decompress(self.payload).view(g.shape).float()
+                d = stored.sub_(self.mean).mul_(g).sum([0, *range(2, g.dim())])
+            return term + d.square_().dot(self.spread)
 
 
 def _fp32(t: torch.Tensor) -> torch.autocast:
