@@ -219,8 +219,8 @@ def test_measured_models_adapt_without_probes() -> None:
 
 
 def test_only_unmeasured_tensors_are_probed() -> None:
-    """A transformer block: LayerNorm inputs, attention and GELU inputs are probed, the
-    linear layers' inputs measured; probes number ``min_pair_probes`` of the probed items."""
+    """A transformer block: LayerNorm inputs and attention are probed, the linear layers' and
+    the GELU's inputs measured; probes number ``min_pair_probes`` of the probed items."""
     model, counted, calls = _counted("transformer")
     controller = _adapt_at_step_1(model, counted, calls)
     adapter = controller.adapter
@@ -230,6 +230,7 @@ def test_only_unmeasured_tensors_are_probed() -> None:
     assert calls[0] == 1 + gact_policy.min_pair_probes(adapter.last_probed) + 1
     measured = controller.plan.measured
     assert any(k.startswith("qkv#") for k in measured)
+    assert any(k.startswith("mlp.1#") for k in measured)  # NOTE [Measured pointwise inputs]
     assert not any(k.startswith("ln1#") for k in measured)
     assert len(measured) == items - adapter.last_probed
 

@@ -176,7 +176,7 @@ def test_tables_only_at_four_bits_or_fewer(level, tables, monkeypatch):
 
 
 def test_probes_quantize(monkeypatch):
-    model = Block()
+    model = Block(extra_mul=True)  # h * h needs probes (the GELU's input alone is measured)
     x, c = _data()
     ctl = Controller(model, GactConfig.from_level("L2", min_numel=0, adapt_first_gap=0))
     calls = _record_with_probe_flag(ctl, monkeypatch)

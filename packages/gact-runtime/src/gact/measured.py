@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import gact_kernels
 import gact_policy
@@ -14,11 +14,14 @@ import torch
 from . import decisions, rotation
 from .decisions import BatchNormUse, DecisionSpec, LinearUse
 from .measured_norms import Normalised, Producer
+from .measured_pointwise import Curved, Rows
 
 if TYPE_CHECKING:
     from .saved import SavedCompressed
 
 __all__ = ["SensitivityMeter"]
+
+_P = TypeVar("_P", Producer, Rows)
 
 # NOTE [Measured sensitivities]
 # The input ``x`` of a linear layer, of a product with a parameter (``x @ W``, ``addmm``) or of
@@ -91,7 +94,7 @@ class SensitivityMeter:
         self.seen: set[str] = set()  # keys saved while the meter ran
         self.probed: set[str] = set()  # ... among them, read some way the meter cannot measure
         self.seconds = 0.0
-        self._producer: Producer | None = None  # NOTE [Measured BatchNorm inputs]
+        self._producers: tuple[Producer | Rows, ...] = ()  # of the last measured call
 
     def start(self) -> None:
         """Make linear calls publish their use (``decisions.measuring``) until ``stop()`` or
@@ -100,7 +103,7 @@ class SensitivityMeter:
 
     def stop(self) -> None:
         decisions.set_measuring(self, False)
-        self._producer = None
+        self._producers = ()
 
     def saved(
         self,
@@ -130,8 +133,9 @@ class SensitivityMeter:
         spec: DecisionSpec | None,
         trial: Callable[[], gact_kernels.QuantizedTensor],
     ) -> None:
-        """``tensor`` was kept at full precision at ``key`` by an allocation: measure what
-        ``trial()`` (a throwaway quantization of it) would add, if the call reads it linearly."""
+        """``tensor`` was kept at full precision at ``key`` by an allocation, or stored as a
+        derivative table: measure what ``trial()`` (a throwaway quantization of it) would add,
+        if the call's use of it is measurable."""
         self._observe(key, tensor, spec, trial)
 
     def _observe(
@@ -144,8 +148,12 @@ class SensitivityMeter:
     ) -> None:
         start = time.perf_counter()
         self.seen.add(key)
-        use = None if spec is None else spec.linear or spec.batch_norm
-        if use is not None and use.reads(tensor):
+        use: LinearUse | BatchNormUse | str | None = None
+        if spec is not None:
+            use = spec.linear or spec.batch_norm
+            if use is None and spec.derivative is not None and id(tensor) == spec.derivative_id:
+                use = spec.derivative  # NOTE [Measured pointwise inputs]
+        if use is not None and (isinstance(use, str) or use.reads(tensor)):
             measurement = _Measurement.of(self, key, payload(), tensor, use, rotated)
             if measurement is None:
                 self.probed.add(key)
@@ -167,19 +175,20 @@ class SensitivityMeter:
 
     def produced(self, out: torch.Tensor, source: torch.Tensor, use: LinearUse) -> None:
         """A measured call with ``use`` read ``source`` and returned ``out``: keep what a
-        BatchNorm reading ``out`` next needs of them (NOTE [Measured BatchNorm inputs]), if
-        the model has BatchNorms."""
-        if not self._batch_norms:
+        BatchNorm (if the model has BatchNorms: NOTE [Measured BatchNorm inputs]) or a GELU or
+        SiLU (NOTE [Measured pointwise inputs]) reading ``out`` next needs of them."""
+        if any(p.output() is out for p in self._producers):
             return
-        if self._producer is None or self._producer.output() is not out:
-            self._producer = Producer.of(out, source, use)
+        found = (Producer.of(out, source, use) if self._batch_norms else None,)
+        self._producers = tuple(p for p in (*found, Rows.of(out, source, use)) if p is not None)
 
-    def producer_of(self, x: torch.Tensor) -> Producer | None:
-        """The measured call that produced ``x`` as it is now, if it was the last one."""
-        producer = self._producer
-        if producer is None or producer.output() is not x or x._version != producer.version:
-            return None
-        return producer
+    def producer_of(self, x: torch.Tensor, kind: type[_P]) -> _P | None:
+        """The ``kind`` record of the measured call that produced ``x`` as it is now, if it was
+        the last one."""
+        for producer in self._producers:
+            if isinstance(producer, kind) and producer.output() is x:
+                return producer if x._version == producer.version else None
+        return None
 
     def sensitivities(self) -> dict[str, float]:
         """The measured keys' sensitivities, summed over their saves (one device
@@ -202,10 +211,11 @@ class SensitivityMeter:
 
 class _Measurement:
     """One measured save: its rounding error mass (per row, or per sample and channel group;
-    per sample and channel with a BatchNorm's channel weights), waiting for its call's output
-    gradient, and for a producer's input, ``source``, until the call returns."""
+    per sample and channel for a BatchNorm's input, per block of rows and column for a GELU's),
+    waiting for its call's output gradient, and for a producer's input, ``source``, until the
+    call returns; ``derived``: a BatchNorm's or GELU's quantities, ``None`` for a linear use."""
 
-    __slots__ = ("factor", "key", "mass", "meter", "normalised", "source", "use")
+    __slots__ = ("derived", "factor", "key", "mass", "meter", "source", "use")
 
     def __init__(
         self,
@@ -213,13 +223,13 @@ class _Measurement:
         key: str,
         mass: torch.Tensor,
         bits: int,
-        use: LinearUse | BatchNormUse,
+        use: LinearUse | BatchNormUse | str,
         *,
-        normalised: Normalised | None = None,
+        derived: Normalised | Curved | None = None,
         source: torch.Tensor | None = None,
     ) -> None:
         self.meter, self.key, self.mass, self.use = meter, key, mass, use
-        self.normalised, self.source = normalised, source
+        self.derived, self.source = derived, source
         self.factor = float(gact_policy.variance_factor(bits))
 
     @classmethod
@@ -229,17 +239,20 @@ class _Measurement:
         key: str,
         payload: gact_kernels.Compressed | None,
         tensor: torch.Tensor,
-        use: LinearUse | BatchNormUse,
+        use: LinearUse | BatchNormUse | str,
         rotated: rotation.Rotated | None = None,
     ) -> _Measurement | None:
         """The measurement of ``tensor`` stored as ``payload`` (``None`` or not a quantized
         container holding its values as they are, or in their ``rotated`` form: not
-        measurable; nor is a BatchNorm input no measured producer made)."""
+        measurable; nor is a BatchNorm's or GELU's input (``use``: the function's name) no
+        measured producer made)."""
         if not isinstance(payload, gact_kernels.QuantizedTensor):
             return None
-        producer = None
-        if isinstance(use, BatchNormUse):  # NOTE [Measured BatchNorm inputs]
-            producer = meter.producer_of(tensor)
+        producer: Producer | Rows | None = None
+        if not isinstance(use, LinearUse):  # NOTE [Measured BatchNorm/pointwise inputs]
+            producer = meter.producer_of(
+                tensor, Producer if isinstance(use, BatchNormUse) else Rows
+            )
             if producer is None or rotated is not None:
                 return None
         with torch.no_grad():  # the exact variance d (s - d): gact_kernels.rounding_steps
@@ -250,9 +263,12 @@ class _Measurement:
             error = steps.sub_(d).mul_(d).clamp_(min=0.0)
             if rotated is not None:  # NOTE [Rotated groups]
                 error = rotated.spread(error)
-            if producer is not None:
-                found = producer.normalised(tensor, use, payload, error)
-                return cls(meter, key, found.mass, payload.bits, use, normalised=found)
+            if isinstance(producer, Producer):
+                found: Normalised | Curved = producer.normalised(tensor, use, payload, error)
+                return cls(meter, key, found.mass, payload.bits, use, derived=found)
+            if isinstance(producer, Rows):
+                found = producer.curved(tensor, use, error)
+                return cls(meter, key, found.mass, payload.bits, use, derived=found)
             if use.conv is None:
                 mass = error.reshape(-1, tensor.shape[-1]).sum(1)
             else:
@@ -269,7 +285,7 @@ class _Measurement:
             self.meter.add(self, None)
             return
         node = out.grad_fn
-        if self.normalised is not None and "BatchNorm" in type(node).__name__:
+        if isinstance(self.derived, Normalised) and "BatchNorm" in type(node).__name__:
             node.register_hook(self._node)
         else:
             out.register_hook(self._grad)
@@ -287,8 +303,8 @@ class _Measurement:
     def _grad(self, g: torch.Tensor, weight: torch.Tensor | None = None) -> None:
         start = time.perf_counter()
         with torch.no_grad():
-            if self.normalised is not None:
-                term = self.normalised.term(g.detach(), weight)
+            if self.derived is not None:
+                term = self.derived.term(g.detach(), weight)
             else:
                 term = _term(self.mass, g.detach(), self.use)
         self.meter.add(self, None if term is None else term / self.factor)

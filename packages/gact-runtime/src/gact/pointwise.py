@@ -15,6 +15,7 @@ __all__ = [
     "DERIVATIVES",
     "MAX_TABLE_BITS",
     "REJUDGE_STEPS",
+    "SECOND_DERIVATIVES",
     "DerivativeTable",
     "derivative_table",
     "table_is_better",
@@ -64,11 +65,33 @@ def _silu_prime(x: torch.Tensor) -> torch.Tensor:
     return s * (1.0 + x * (1.0 - s))
 
 
+def _gelu_second(x: torch.Tensor) -> torch.Tensor:
+    return torch.exp(-0.5 * x * x) * _INV_SQRT_2PI * (2.0 - x * x)
+
+
+def _gelu_tanh_second(x: torch.Tensor) -> torch.Tensor:
+    inner = _TANH_C * (1.0 + 3 * 0.044715 * x * x)  # u' of u = c (x + 0.044715 x^3)
+    t = torch.tanh(_TANH_C * (x + 0.044715 * x**3))
+    return (1.0 - t * t) * (inner - x * t * inner * inner + 3 * 0.044715 * _TANH_C * x * x)
+
+
+def _silu_second(x: torch.Tensor) -> torch.Tensor:
+    s = torch.sigmoid(x)
+    return s * (1.0 - s) * (2.0 + x * (1.0 - 2.0 * s))
+
+
 #: function -> (its derivative, the class name of its backward node without the version digit)
 DERIVATIVES: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], str]] = {
     "gelu": (_gelu_prime, "GeluBackward"),
     "gelu_tanh": (_gelu_tanh_prime, "GeluBackward"),
     "silu": (_silu_prime, "SiluBackward"),
+}
+
+#: function -> its second derivative (NOTE [Measured pointwise inputs] in measured_pointwise.py)
+SECOND_DERIVATIVES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": _gelu_second,
+    "gelu_tanh": _gelu_tanh_second,
+    "silu": _silu_second,
 }
 
 

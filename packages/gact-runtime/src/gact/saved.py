@@ -886,7 +886,8 @@ class SaveHooks:
     def _measure(self, saved: Saved, tensor: torch.Tensor, spec: DecisionSpec | None) -> None:
         """Show the meter a save of ``tensor`` made during a call with ``spec`` (NOTE [Measured
         sensitivities] in measured.py): a quantized one, or one kept at full precision by an
-        allocation, measured through a throwaway 8-bit quantization."""
+        allocation or stored as a derivative table, measured through a throwaway 8-bit
+        quantization."""
         assert self.meter is not None
         if isinstance(saved, (SavedCompressed, SavedView)):
             view = isinstance(saved, SavedView)
@@ -894,14 +895,20 @@ class SaveHooks:
             if isinstance(source.known, gact_kernels.QuantizedTensor):
                 # the meter reads the payload in the saved tensor's shape
                 self.meter.saved(source, tensor, spec, readable=not view or saved.rows)
-        elif self.plan.bits.get(saved.key, 0) > 8:  # not quantizable otherwise: not an item
+                return
+            if view or source.table is None:
+                return
+        elif self.plan.bits.get(saved.key, 0) <= 8:  # not quantizable: not an item
+            return
 
-            def trial() -> gact_kernels.QuantizedTensor:
-                seed = self.plan.seed_for("<trial>", 0)
-                group = self.plan.config.group_size
-                return gact_kernels.quantize(tensor.detach(), 8, group_size=group, seed=seed)
+        def trial() -> gact_kernels.QuantizedTensor:  # in the layout of a quantized save
+            seed, config = self.plan.seed_for("<trial>", 0), self.plan.config
+            features = _feature_dim(tensor, config, self.plan.default_bits)
+            return gact_kernels.quantize(
+                tensor.detach(), 8, group_size=config.group_size, seed=seed, channel_dim=features
+            )
 
-            self.meter.kept(saved.key, tensor, spec, trial)
+        self.meter.kept(saved.key, tensor, spec, trial)
 
     def _classify(
         self,

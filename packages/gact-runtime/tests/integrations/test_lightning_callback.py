@@ -34,7 +34,7 @@ def _classifier(
             self.body = torch.nn.Sequential(
                 torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256)
             )
-            self.head = torch.nn.Sequential(torch.nn.GELU(), torch.nn.Linear(256, 4))
+            self.head = torch.nn.Sequential(torch.nn.Tanh(), torch.nn.Linear(256, 4))  # probed
             self.automatic_optimization = not manual
             self.steps = 0
             self.losses: list[float] = []

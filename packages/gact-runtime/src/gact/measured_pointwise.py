@@ -1,0 +1,114 @@
+"""Sensitivities of GELU and SiLU inputs measured in an ordinary backward, up to the linear layer
+that produced them (NOTE [Measured pointwise inputs])."""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+
+from .decisions import LinearUse
+from .measured_norms import _fp32
+from .pointwise import SECOND_DERIVATIVES
+
+__all__ = ["Curved", "Rows"]
+
+# NOTE [Measured pointwise inputs]
+# The backward of GELU or SiLU reads its saved input ``x`` only through ``f'(x)``: rounding
+# ``x`` to ``x + ε`` changes the input's gradient ``g f'(x)`` by ``e = g f''(x) ε`` to first
+# order. Where a measured linear layer produced ``x`` from rows ``u_r`` (the first layer of a
+# transformer's MLP), ``e`` reaches that layer's weight gradient ``e^T u``, which errs, with
+# independent zero-mean ``ε``, by
+#
+#     E‖e^T u‖² = Σ_r ‖u_r‖² Σ_j g_rj² f''(x_rj)² Var ε_rj
+#
+# So a measured linear call keeps ``‖u_r‖²`` per row when it returns (one number per row, on
+# measuring steps only); at the function's save of that output (same object, same version) the
+# meter forms ``m_rj = ‖u_r‖² f''(x_rj)² Var ε_rj`` (``Var ε`` read off the stored rounding as
+# in NOTE [Measured sensitivities], or off a throwaway 8-bit quantization where the save is a
+# derivative table) and sums it over each sample's rows: the positions of one index of the
+# first dimension (a sequence's tokens), or blocks of up to 8 rows of a 2-D input. In the
+# backward a hook on the function's output reads ``g`` and weighs each sample's column sums by
+# the mean of ``g²`` over the same rows. Exact per element, it would hold a tensor of ``x``'s
+# size until the backward; on the BERT example's GELU inputs the sums were 0.86-1.10 of the
+# exact term. Left out:
+# - the producer's bias (it adds 1 to ``‖u_r‖²``: a few percent for normalised rows of 64
+#   features or more), and second-order terms (GELU's squared bias is 0.1 of its variance at
+#   2 bits, ``diagnose_adaptation.py``);
+# - the error that the producer's input gradient ``e W`` carries further back. Rounding one
+#   GELU input of the BERT example at a time (4 bits, 8 seeds), the term was 0.97-1.02 of the
+#   error of the producer's weight, and that weight's error was 0.49-0.53 of the error of every
+#   parameter's gradient at initialisation, 0.19-0.55 after 300 steps (the last layer's the
+#   least). So the term is scaled by ``FURTHER_BACK`` = 2, what those measurements put on the
+#   rest of the model: an estimate within a factor of 2-3 on that model, where the probes it
+#   replaces were 10-100x off (BENCHMARKS.md, "Measured GELU inputs").
+# A function whose input no measured linear layer made (a convolution's output, a residual
+# sum, a product) is probed.
+FURTHER_BACK = 2.0
+_BLOCK_ROWS = 8  # rows per block of a 2-D input (at most)
+
+
+class Rows:
+    """What a GELU or SiLU reading a measured linear call's output needs of that call (NOTE
+    [Measured pointwise inputs]), taken when it returns: the output (weakly), its version and
+    ``‖u_r‖²`` per row of the call's input."""
+
+    __slots__ = ("norms", "output", "version")
+
+    def __init__(self, out: torch.Tensor, norms: torch.Tensor) -> None:
+        self.output, self.version, self.norms = weakref.ref(out), out._version, norms
+
+    @classmethod
+    def of(cls, out: torch.Tensor, source: torch.Tensor, use: LinearUse) -> Rows | None:
+        """The rows of ``out = source W^T`` (``None`` for a convolution, or if their rows do
+        not pair up: ``source`` may be the flattened view a product saves)."""
+        if use.conv is not None or not out.numel() or not source.numel():
+            return None
+        if out.numel() // out.shape[-1] != source.numel() // source.shape[-1]:
+            return None
+        with torch.no_grad(), _fp32(out):
+            norms = torch.linalg.vector_norm(source.detach(), dim=-1, dtype=torch.float32)
+        return cls(out, norms.square_().view(-1))
+
+    def curved(self, x: torch.Tensor, function: str, variance: torch.Tensor) -> Curved:
+        """What the term of ``function``'s input ``x`` (this call's output), with per-element
+        rounding variance ``variance``, needs from the forward."""
+        shape = _blocks(x)
+        with torch.no_grad(), _fp32(x):
+            mass = SECOND_DERIVATIVES[function](x.detach().float()).square_().mul_(variance)
+            mass = mass.reshape(shape).mul_(self.norms.view(*shape[:2], 1))
+            return Curved(mass.sum(1), shape)
+
+
+class Curved:
+    """A measured GELU or SiLU input's forward quantities (NOTE [Measured pointwise inputs]):
+    ``mass``, ``Σ ‖u_r‖² f''(x_rj)² Var ε_rj`` per block of rows and column, and ``shape``, the
+    input viewed as (blocks, rows per block, columns)."""
+
+    __slots__ = ("mass", "shape")
+
+    def __init__(self, mass: torch.Tensor, shape: tuple[int, int, int]) -> None:
+        self.mass, self.shape = mass, shape
+
+    def term(self, g: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The key's term for the output gradient ``g`` (``weight``: unused, a BatchNorm's);
+        ``None`` if the shapes disagree."""
+        if g.numel() != math.prod(self.shape) or g.shape[-1] != self.shape[2]:
+            return None
+        with _fp32(g):
+            square = g.reshape(self.shape).float().square().sum(1)
+            return square.mul_(self.mass).sum().mul_(FURTHER_BACK / self.shape[1])
+
+
+def _blocks(x: torch.Tensor) -> tuple[int, int, int]:
+    """``x`` (not empty, rank 1 or more) as (blocks, rows per block, columns): a block per index
+    of the first dimension if ``x`` has 3 or more, else blocks of the most rows up to
+    ``_BLOCK_ROWS`` that divide them."""
+    columns = x.shape[-1]
+    rows = x.numel() // columns
+    if x.dim() >= 3:
+        per = rows // x.shape[0]
+    else:
+        per = next(k for k in range(min(_BLOCK_ROWS, rows), 0, -1) if rows % k == 0)
+    return rows // per, per, columns

@@ -1,0 +1,131 @@
+"""GELU and SiLU inputs measured in the ordinary backward (NOTE [Measured pointwise inputs])."""
+
+from __future__ import annotations
+
+import math
+
+import gact_policy
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gact import Controller, GactConfig
+from gact.measured_pointwise import FURTHER_BACK
+from gact.pointwise import DERIVATIVES, SECOND_DERIVATIVES
+from runtime_helpers import measured_step
+from torch import nn
+
+ACTIVATIONS = {
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,
+}
+
+
+@pytest.mark.parametrize("function", sorted(SECOND_DERIVATIVES))
+def test_second_derivatives_are_the_first_ones_differentiated(function: str) -> None:
+    x = torch.linspace(-8, 8, 2001, dtype=torch.float64, requires_grad=True)
+    (expected,) = torch.autograd.grad(DERIVATIVES[function][0](x).sum(), x)
+    assert torch.allclose(SECOND_DERIVATIVES[function](x.detach()), expected, atol=1e-12)
+
+
+class _Mlp(nn.Module):
+    """``fc1`` -> activation -> ``fc2`` -> mean over positions; ``residual``: the activation
+    reads ``fc1``'s output plus its input instead (no measured producer)."""
+
+    def __init__(self, act: str, width: int = 32, residual: bool = False) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(width, width), nn.Linear(width, 10)
+        self.act, self.residual = ACTIVATIONS[act], residual
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        out = self.fc2(self.act(h + x if self.residual else h))
+        return out.mean(1) if out.dim() == 3 else out
+
+
+def _case(act: str, rank: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """The model and a batch on a 4-level grid ({0, 1/3, 2/3, 1}: exact at 2 and 4 bits), so
+    that only the activation's input's rounding reaches ``fc1``'s weight gradient."""
+    torch.manual_seed(0)
+    model = _Mlp(act)
+    shape = (16, 12, 32) if rank == 3 else (192, 32)
+    return model, torch.randint(0, 4, shape).float() / 3, torch.randint(0, 10, (shape[0],))
+
+
+def _grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: GactConfig | None):
+    model.zero_grad()
+    if cfg is None:
+        F.cross_entropy(model(x), y).backward()
+    else:
+        with Controller(model, cfg):
+            F.cross_entropy(model(x), y).backward()
+    return model.fc1.weight.grad.clone()
+
+
+@pytest.mark.parametrize("rank", [3, 2], ids=["tokens", "rows"])
+@pytest.mark.parametrize("level", ["L1", "L1.2"])
+@pytest.mark.parametrize("act", sorted(ACTIVATIONS))
+def test_measured_pointwise_inputs_predict_the_producer_weights_rounding_variance(
+    act: str, level: str, rank: int
+) -> None:
+    """The measured sensitivity of a GELU/SiLU input that a linear layer produced, divided by
+    ``FURTHER_BACK``, predicts ``E‖Δ grad W‖²`` of that layer's weight over 32 rounding
+    seeds, whether the save is quantized (``derivative_tables=False``) or a derivative table
+    (then the table's error, deterministic, is not what is predicted: only that the key is
+    measured and its value the quantized one's). The term sums over blocks of rows and leaves
+    out second-order terms: tolerance 4 standard errors of the empirical mean plus 15% of
+    slack (false-alarm probability under the normal approximation below 1e-4)."""
+    model, x, y = _case(act, rank)
+    cfg = GactConfig.from_level(level, min_numel=100, derivative_tables=False)
+    exact = _grads(model, x, y, None)
+    controller, meter = measured_step(model, cfg, lambda: F.cross_entropy(model(x), y).backward())
+    assert not meter.probed, meter.probed
+    stored = {key: r.bits for key, r in controller.ledger.view()[0].items()}
+    measured = meter.sensitivities()
+    (key,) = [k for k in measured if k.startswith("<root>#")]  # the activation's input
+    predicted = measured[key] * gact_policy.variance_factor(stored[key]) / FURTHER_BACK
+    errors = []
+    for seed in range(1, 33):
+        g = _grads(model, x, y, cfg.replace(seed=seed))
+        errors.append(float((g - exact).square().sum()))
+    mean, se = np.mean(errors), np.std(errors, ddof=1) / math.sqrt(len(errors))
+    assert abs(mean - predicted) <= 4 * se + 0.15 * predicted, (mean, se, predicted)
+    # stored as a derivative table, the same key is still measured, to the same value
+    _, tabled = measured_step(
+        model, cfg.replace(derivative_tables=True), lambda: F.cross_entropy(model(x), y).backward()
+    )
+    assert not tabled.probed
+    assert tabled.sensitivities()[key] == pytest.approx(measured[key], rel=0.2)
+
+
+def test_pointwise_inputs_no_measured_layer_produced_are_probed() -> None:
+    """A GELU reading a residual sum (its error travels back along paths the meter does not
+    follow) leaves its input to the probes."""
+    torch.manual_seed(0)
+    model, x = _Mlp("gelu", residual=True), torch.randn(16, 12, 32)
+    y = torch.randint(0, 10, (16,))
+    cfg = GactConfig.from_level("L1", min_numel=100)
+    _, meter = measured_step(model, cfg, lambda: F.cross_entropy(model(x), y).backward())
+    assert [k.split("#")[0] for k in meter.probed] == ["<root>"]
+    assert not any(k.startswith("<root>#") for k in meter.sensitivities())
+
+
+def test_a_linear_output_modified_in_place_is_probed() -> None:
+    """The producer's quantities describe its output as it returned: a GELU reading that
+    tensor after an in-place change (a new version) is probed."""
+
+    class _Shifted(_Mlp):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.fc1(x)
+            h.add_(1.0)
+            return self.fc2(self.act(h)).mean(1)
+
+    torch.manual_seed(0)
+    model, x = _Shifted("gelu"), torch.randn(16, 12, 32)
+    y = torch.randint(0, 10, (16,))
+    _, meter = measured_step(
+        model, GactConfig.from_level("L1", min_numel=100),
+        lambda: F.cross_entropy(model(x), y).backward(),
+    )  # fmt: skip
+    assert [k.split("#")[0] for k in meter.probed] == ["<root>"]
