@@ -19,7 +19,14 @@ from .measured_pointwise import Curved, Rows
 if TYPE_CHECKING:
     from .saved import SavedCompressed
 
-__all__ = ["SensitivityMeter"]
+__all__ = ["TRIAL_BITS", "SensitivityMeter", "Trial", "rounding_variance"]
+
+#: the width of a throwaway quantization measuring a save not quantized as it is (kept at full
+#: precision, a derivative table) or measured in parts (NOTE [Measured pointwise inputs])
+TRIAL_BITS = 8
+#: a throwaway quantization of (a part of) a saved tensor at ``TRIAL_BITS``, in the layout a
+#: quantized save of it would have
+Trial = Callable[[torch.Tensor], gact_kernels.QuantizedTensor]
 
 _P = TypeVar("_P", Producer, Rows)
 
@@ -110,13 +117,16 @@ class SensitivityMeter:
         saved: SavedCompressed,
         tensor: torch.Tensor,
         spec: DecisionSpec | None,
+        trial: Trial,
         *,
         readable: bool = True,
     ) -> None:
-        """``tensor`` was saved as ``saved`` (quantized, or a deduplicated save of it) during a
-        call with ``spec``: measure it if the call reads it linearly; ``readable``: whether the
-        payload holds ``tensor``'s elements in its memory order (not for every view of the
-        tensor ``saved`` holds: that view's reader is then probed)."""
+        """``tensor`` was saved as ``saved`` (quantized or a derivative table, or a
+        deduplicated save of it) during a call with ``spec``: measure it if the call's use of
+        it is measurable; ``trial``: a throwaway quantization of any part of ``tensor`` (NOTE
+        [Measured pointwise inputs]); ``readable``: whether the payload holds ``tensor``'s
+        elements in its memory order (not for every view of the tensor ``saved`` holds: that
+        view's reader is then probed)."""
         whole = (  # the payload holds the tensor's own values (not log-probabilities' exp)
             readable
             and saved.table is None
@@ -124,19 +134,20 @@ class SensitivityMeter:
             and saved.expand_to is None
             and saved.ticket is None
         )
-        self._observe(saved.key, tensor, spec, lambda: saved.held if whole else None, saved.rotated)
+        payload = lambda: saved.held if whole else None  # noqa: E731
+        self._observe(saved.key, tensor, spec, payload, trial, saved.rotated)
 
     def kept(
         self,
         key: str,
         tensor: torch.Tensor,
         spec: DecisionSpec | None,
-        trial: Callable[[], gact_kernels.QuantizedTensor],
+        trial: Trial,
     ) -> None:
-        """``tensor`` was kept at full precision at ``key`` by an allocation, or stored as a
-        derivative table: measure what ``trial()`` (a throwaway quantization of it) would add,
-        if the call's use of it is measurable."""
-        self._observe(key, tensor, spec, trial)
+        """``tensor`` was kept at full precision at ``key`` by an allocation: measure what
+        ``trial(tensor)`` (a throwaway quantization) would add, if the call's use of it is
+        measurable."""
+        self._observe(key, tensor, spec, lambda: trial(tensor), trial)
 
     def _observe(
         self,
@@ -144,23 +155,22 @@ class SensitivityMeter:
         tensor: torch.Tensor,
         spec: DecisionSpec | None,
         payload: Callable[[], gact_kernels.Compressed | None],
+        trial: Trial,
         rotated: rotation.Rotated | None = None,
     ) -> None:
         start = time.perf_counter()
         self.seen.add(key)
-        use: LinearUse | BatchNormUse | str | None = None
-        if spec is not None:
-            use = spec.linear or spec.batch_norm
-            if use is None and spec.derivative is not None and id(tensor) == spec.derivative_id:
-                use = spec.derivative  # NOTE [Measured pointwise inputs]
-        if use is not None and (isinstance(use, str) or use.reads(tensor)):
+        measurable = True
+        if spec is not None and spec.derivative is not None and id(tensor) == spec.derivative_id:
+            measurement = _Measurement.curved(self, key, tensor, spec.derivative, trial)
+        elif spec is not None and (use := spec.linear or spec.batch_norm) and use.reads(tensor):
             measurement = _Measurement.of(self, key, payload(), tensor, use, rotated)
-            if measurement is None:
-                self.probed.add(key)
-            else:
-                self._waiting[id(measurement)] = measurement
-                decisions.await_output(measurement)
-        elif spec is None or not spec.only_decisions:
+        else:  # read only through exact decisions (no noise), or in a way not measured here
+            measurement, measurable = None, False
+        if measurement is not None:
+            self._waiting[id(measurement)] = measurement
+            decisions.await_output(measurement)
+        elif measurable or spec is None or not spec.only_decisions:
             self.probed.add(key)
         self.seconds += time.perf_counter() - start
 
@@ -239,35 +249,26 @@ class _Measurement:
         key: str,
         payload: gact_kernels.Compressed | None,
         tensor: torch.Tensor,
-        use: LinearUse | BatchNormUse | str,
+        use: LinearUse | BatchNormUse,
         rotated: rotation.Rotated | None = None,
     ) -> _Measurement | None:
         """The measurement of ``tensor`` stored as ``payload`` (``None`` or not a quantized
         container holding its values as they are, or in their ``rotated`` form: not
-        measurable; nor is a BatchNorm's or GELU's input (``use``: the function's name) no
-        measured producer made)."""
+        measurable; nor is a BatchNorm input no measured producer made)."""
         if not isinstance(payload, gact_kernels.QuantizedTensor):
             return None
-        producer: Producer | Rows | None = None
-        if not isinstance(use, LinearUse):  # NOTE [Measured BatchNorm/pointwise inputs]
-            producer = meter.producer_of(
-                tensor, Producer if isinstance(use, BatchNormUse) else Rows
-            )
+        producer = None
+        if isinstance(use, BatchNormUse):  # NOTE [Measured BatchNorm inputs]
+            producer = meter.producer_of(tensor, Producer)
             if producer is None or rotated is not None:
                 return None
-        with torch.no_grad():  # the exact variance d (s - d): gact_kernels.rounding_steps
-            values = gact_kernels.decompress(payload).view(tensor.shape)
-            steps = gact_kernels.rounding_steps(payload).view(tensor.shape)
+        with torch.no_grad():
             held = tensor.detach() if rotated is None else rotated.held_form(tensor.detach())
-            d = values.float().sub_(held.float()).abs_().nan_to_num_(0.0)
-            error = steps.sub_(d).mul_(d).clamp_(min=0.0)
+            error = rounding_variance(payload, held)
             if rotated is not None:  # NOTE [Rotated groups]
                 error = rotated.spread(error)
-            if isinstance(producer, Producer):
-                found: Normalised | Curved = producer.normalised(tensor, use, payload, error)
-                return cls(meter, key, found.mass, payload.bits, use, derived=found)
-            if isinstance(producer, Rows):
-                found = producer.curved(tensor, use, error)
+            if producer is not None:
+                found = producer.normalised(tensor, use, payload, error)
                 return cls(meter, key, found.mass, payload.bits, use, derived=found)
             if use.conv is None:
                 mass = error.reshape(-1, tensor.shape[-1]).sum(1)
@@ -276,6 +277,23 @@ class _Measurement:
                 n, c = tensor.shape[:2]
                 mass = error.view(n, groups, c // groups, *tensor.shape[2:]).sum(2)
         return cls(meter, key, mass, payload.bits, use, source=tensor)
+
+    @classmethod
+    def curved(
+        cls, meter: SensitivityMeter, key: str, tensor: torch.Tensor, function: str, trial: Trial
+    ) -> _Measurement | None:
+        """The measurement of ``function``'s input ``tensor`` through throwaway quantizations
+        of its parts (``trial``), if a measured linear layer produced it (NOTE [Measured
+        pointwise inputs])."""
+        rows = meter.producer_of(tensor, Rows)
+        if rows is None:
+            return None
+
+        def variance(part: torch.Tensor) -> torch.Tensor:
+            return rounding_variance(trial(part), part)
+
+        found = rows.curved(tensor, function, variance)
+        return cls(meter, key, found.mass, TRIAL_BITS, function, derived=found)
 
     def called(self, out: Any) -> None:
         """The call returned ``out``: its gradient is ``g`` (see ``decisions.await_output``);
@@ -334,3 +352,13 @@ _CONV_INPUT = {
     2: torch.nn.grad.conv2d_input,
     3: torch.nn.grad.conv3d_input,
 }
+
+
+def rounding_variance(payload: gact_kernels.QuantizedTensor, held: torch.Tensor) -> torch.Tensor:
+    """Per element of ``held`` (the values ``payload`` quantized, in its shape), the variance
+    of their stochastic rounding, exactly ``d (s - d)`` with ``d = |x̂ - x|`` and the grid step
+    ``s`` (``gact_kernels.rounding_steps``; NOTE [Measured sensitivities]), in float32."""
+    values = gact_kernels.decompress(payload).view(held.shape)
+    steps = gact_kernels.rounding_steps(payload).view(held.shape)
+    d = values.float().sub_(held.float()).abs_().nan_to_num_(0.0)
+    return steps.sub_(d).mul_(d).clamp_(min=0.0)

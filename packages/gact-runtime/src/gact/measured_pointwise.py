@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Callable
 
 import torch
 
 from .decisions import LinearUse
-from .measured_norms import _fp32
+from .measured_norms import _SLICES, _fp32
 from .pointwise import SECOND_DERIVATIVES
 
 __all__ = ["Curved", "Rows"]
@@ -25,28 +26,34 @@ __all__ = ["Curved", "Rows"]
 #
 # So a measured linear call keeps ``‖u_r‖²`` per row when it returns (one number per row, on
 # measuring steps only); at the function's save of that output (same object, same version) the
-# meter forms ``m_rj = ‖u_r‖² f''(x_rj)² Var ε_rj`` (``Var ε`` read off the stored rounding as
-# in NOTE [Measured sensitivities], or off a throwaway 8-bit quantization where the save is a
-# derivative table) and sums it over each sample's rows: the positions of one index of the
-# first dimension (a sequence's tokens), or blocks of up to 8 rows of a 2-D input. In the
+# meter forms ``m_rj = ‖u_r‖² f''(x_rj)² Var ε_rj`` and sums it over each sample's rows: the
+# positions of one index of the first dimension (a sequence's tokens), or blocks of up to 8
+# rows of a 2-D input. ``Var ε`` is read, as in NOTE [Measured sensitivities], off a throwaway
+# 8-bit quantization in the layout of a quantized save (``TRIAL_BITS``; the save itself may be
+# a derivative table), one slice of the batch at a time: these inputs are a transformer's
+# largest, and reading the whole one at once (its values, steps and ``f''``) raised a measuring
+# step's forward peak on the char-GPT memory configuration from 212 to 241 MiB. In the
 # backward a hook on the function's output reads ``g`` and weighs each sample's column sums by
 # the mean of ``g²`` over the same rows. Exact per element, it would hold a tensor of ``x``'s
 # size until the backward; on the BERT example's GELU inputs the sums were 0.86-1.10 of the
 # exact term. Left out:
 # - the producer's bias (it adds 1 to ``‖u_r‖²``: a few percent for normalised rows of 64
-#   features or more), and second-order terms (GELU's squared bias is 0.1 of its variance at
-#   2 bits, ``diagnose_adaptation.py``);
+#   features or more), and second-order terms (the squared bias of a GELU input's rounding is
+#   at most 0.05 of its variance at 4 bits on the BERT and char-GPT examples, 0.07-2.6 at 2 bits,
+#   ``diagnose_adaptation.py``);
 # - the error that the producer's input gradient ``e W`` carries further back. Rounding one
 #   GELU input of the BERT example at a time (4 bits, 8 seeds), the term was 0.97-1.02 of the
-#   error of the producer's weight, and that weight's error was 0.49-0.53 of the error of every
-#   parameter's gradient at initialisation, 0.19-0.55 after 300 steps (the last layer's the
+#   error of the producer's weight, and that weight's error was 0.50-0.52 of the error of every
+#   parameter's gradient at initialisation, 0.19-0.54 after 300 steps (the last layer's the
 #   least). So the term is scaled by ``FURTHER_BACK`` = 2, what those measurements put on the
-#   rest of the model: an estimate within a factor of 2-3 on that model, where the probes it
-#   replaces were 10-100x off (BENCHMARKS.md, "Measured GELU inputs").
+#   rest of the model: 0.31-1.09 of the true effect on that model's GELU inputs, 0.39-0.85 on
+#   char-GPT's, where the probes it replaces were 50-115x off (BENCHMARKS.md, "Measured GELU
+#   inputs").
 # A function whose input no measured linear layer made (a convolution's output, a residual
 # sum, a product) is probed.
 FURTHER_BACK = 2.0
 _BLOCK_ROWS = 8  # rows per block of a 2-D input (at most)
+_SLICE_ELEMENTS = 1 << 18  # elements per slice at least (NOTE [Batch slices]: at most _SLICES)
 
 
 class Rows:
@@ -71,14 +78,23 @@ class Rows:
             norms = torch.linalg.vector_norm(source.detach(), dim=-1, dtype=torch.float32)
         return cls(out, norms.square_().view(-1))
 
-    def curved(self, x: torch.Tensor, function: str, variance: torch.Tensor) -> Curved:
-        """What the term of ``function``'s input ``x`` (this call's output), with per-element
-        rounding variance ``variance``, needs from the forward."""
+    def curved(
+        self, x: torch.Tensor, function: str, variance: Callable[[torch.Tensor], torch.Tensor]
+    ) -> Curved:
+        """What the term of ``function``'s input ``x`` (this call's output) needs from the
+        forward; ``variance(part)``: the per-element rounding variance of a part of ``x`` (a
+        throwaway quantization), taken over slices of at most an eighth of ``x`` (NOTE [Batch
+        slices] in measured_norms.py), so that its temporaries stay small."""
         shape = _blocks(x)
+        blocks = x.detach().reshape(shape)
+        norms = self.norms.view(*shape[:2], 1)
+        per = max(-(-shape[0] // _SLICES), -(-_SLICE_ELEMENTS // (shape[1] * shape[2])))
+        masses = []
         with torch.no_grad(), _fp32(x):
-            mass = SECOND_DERIVATIVES[function](x.detach().float()).square_().mul_(variance)
-            mass = mass.reshape(shape).mul_(self.norms.view(*shape[:2], 1))
-            return Curved(mass.sum(1), shape)
+            for part, weights in zip(blocks.split(per), norms.split(per)):
+                mass = variance(part).mul_(SECOND_DERIVATIVES[function](part.float()).square_())
+                masses.append(mass.mul_(weights).sum(1))
+        return Curved(torch.cat(masses), shape)
 
 
 class Curved:

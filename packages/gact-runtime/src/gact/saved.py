@@ -25,6 +25,7 @@ from .config import GactConfig
 from .decisions import DECISION_NODES, Decision, DecisionSpec
 from .errors import GactError, GactWarning
 from .ledger import Kind, Ledger, occupied_bytes
+from .measured import TRIAL_BITS
 from .params import ParameterFilter
 from .plan import BitPlan
 from .scope import ScopeTracker
@@ -885,30 +886,26 @@ class SaveHooks:
 
     def _measure(self, saved: Saved, tensor: torch.Tensor, spec: DecisionSpec | None) -> None:
         """Show the meter a save of ``tensor`` made during a call with ``spec`` (NOTE [Measured
-        sensitivities] in measured.py): a quantized one, or one kept at full precision by an
-        allocation or stored as a derivative table, measured through a throwaway 8-bit
-        quantization."""
+        sensitivities] in measured.py): a quantized one or a derivative table, or one kept at
+        full precision by an allocation, with a throwaway quantization of any part of it."""
         assert self.meter is not None
+
+        def trial(part: torch.Tensor) -> gact_kernels.QuantizedTensor:  # a quantized save's layout
+            seed, config = self.plan.seed_for("<trial>", 0), self.plan.config
+            features = _feature_dim(part, config, self.plan.default_bits)
+            return gact_kernels.quantize(
+                part.detach(), TRIAL_BITS, group_size=config.group_size, seed=seed,
+                channel_dim=features,
+            )  # fmt: skip
+
         if isinstance(saved, (SavedCompressed, SavedView)):
             view = isinstance(saved, SavedView)
             source = saved.source if view else saved
-            if isinstance(source.known, gact_kernels.QuantizedTensor):
+            if isinstance(source.known, gact_kernels.QuantizedTensor) or source.table is not None:
                 # the meter reads the payload in the saved tensor's shape
-                self.meter.saved(source, tensor, spec, readable=not view or saved.rows)
-                return
-            if view or source.table is None:
-                return
-        elif self.plan.bits.get(saved.key, 0) <= 8:  # not quantizable: not an item
-            return
-
-        def trial() -> gact_kernels.QuantizedTensor:  # in the layout of a quantized save
-            seed, config = self.plan.seed_for("<trial>", 0), self.plan.config
-            features = _feature_dim(tensor, config, self.plan.default_bits)
-            return gact_kernels.quantize(
-                tensor.detach(), 8, group_size=config.group_size, seed=seed, channel_dim=features
-            )
-
-        self.meter.kept(saved.key, tensor, spec, trial)
+                self.meter.saved(source, tensor, spec, trial, readable=not view or saved.rows)
+        elif self.plan.bits.get(saved.key, 0) > 8:  # not quantizable otherwise: not an item
+            self.meter.kept(saved.key, tensor, spec, trial)
 
     def _classify(
         self,
