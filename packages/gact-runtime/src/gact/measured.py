@@ -65,7 +65,8 @@ _P = TypeVar("_P", Producer, Rows)
 # at its pinned 1 bit: NOTE [Two-valued tensors] in adapt.py); any other reader
 # (normalisations, attention, pointwise derivatives, products of two activations) leaves it
 # to the probes, but for BatchNorm inputs that such a layer produced (NOTE [Measured BatchNorm
-# inputs] in measured_norms.py). Cost, on the steps the meter runs only: one dequantization and
+# inputs] in measured_norms.py) and GELU or SiLU inputs that a linear layer produced (NOTE
+# [Measured pointwise inputs] in measured_pointwise.py). Cost, on the steps the meter runs only: one dequantization and
 # one reduction per measured save, one reduction (a ones-kernel convolution) per backward;
 # counted as adaptation time (``seconds``).
 
