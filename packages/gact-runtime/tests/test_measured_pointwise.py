@@ -155,3 +155,23 @@ def test_a_large_pointwise_input_is_read_in_slices(monkeypatch: pytest.MonkeyPat
     # GELU's input in slices
     assert sorted(read)[-2:] == [x.numel()] * 2 and len(read) > 3, read
     assert sum(sorted(read)[:-2]) == x.numel() and max(sorted(read)[:-2]) <= x.numel() // 4
+
+
+def test_pointwise_inputs_are_measured_under_autocast() -> None:
+    """Under a bf16 autocast the linear layer's output, the GELU's input, is bf16: it is
+    measured all the same, in float32, to the fp32 run's value within the rounding of bf16."""
+    model, x, y = _case("gelu", 3)
+    cfg = GactConfig.from_level("L1", min_numel=100, derivative_tables=False)
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+
+    _, meter = measured_step(model, cfg, step)
+    _, exact = measured_step(model, cfg, lambda: F.cross_entropy(model(x), y).backward())
+    assert not meter.probed, meter.probed
+    (key,) = [k for k in meter.sensitivities() if k.startswith("<root>#")]
+    (reference,) = [v for k, v in exact.sensitivities().items() if k.startswith("<root>#")]
+    assert key.split(":")[1] == "bfloat16"
+    assert meter.sensitivities()[key] == pytest.approx(reference, rel=0.15)
