@@ -96,6 +96,20 @@ def deferred_quantize(real: Callable[..., Any], lossless: list[int] | None = Non
     return quantize_async
 
 
+def cross_entropy_grads(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: GactConfig | None
+) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient of ``cross_entropy(model(x), y)``, under a
+    ``Controller(model, cfg)`` unless ``cfg`` is ``None`` (exact)."""
+    model.zero_grad()
+    if cfg is None:
+        F.cross_entropy(model(x), y).backward()
+    else:
+        with Controller(model, cfg):
+            F.cross_entropy(model(x), y).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
 def measured_step(
     model: nn.Module, config: GactConfig, backward: Callable[[], Any]
 ) -> tuple[Controller, SensitivityMeter]:

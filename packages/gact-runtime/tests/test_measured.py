@@ -15,7 +15,7 @@ from gact import Controller, GactConfig, GactWarning
 from gact.decisions import DecisionMode, current_spec
 from gact.measured import SensitivityMeter
 from models import make_case
-from runtime_helpers import fake_clocks, make_closure, measured_step
+from runtime_helpers import cross_entropy_grads, fake_clocks, make_closure, measured_step
 from torch import nn
 
 
@@ -62,16 +62,6 @@ def linear_readers() -> nn.Sequential:
     )
 
 
-def _grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: GactConfig | None):
-    model.zero_grad()
-    if cfg is None:
-        F.cross_entropy(model(x), y).backward()
-    else:
-        with Controller(model, cfg):
-            F.cross_entropy(model(x), y).backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
 def feature_readers() -> nn.Sequential:
     """Linear readers of a 3-D input, a 3-D ReLU output and a 2-D one (``addmm``), 256 rows
     each: at 2-3 bits their saves are grouped by feature (NOTE [Feature groups] in saved.py)."""
@@ -103,7 +93,7 @@ def test_measured_sensitivities_predict_the_rounding_variance_of_each_weight_gra
     else:
         x, y = torch.randn(8, 32, 32) * torch.logspace(-2, 0, 32), torch.randint(0, 10, (256,))
     weights = {name: p for name, p in model.named_parameters() if not name.endswith("bias")}
-    exact = _grads(model, x, y, None)
+    exact = cross_entropy_grads(model, x, y, None)
     cfg = GactConfig.from_level(level, min_numel=0)
     controller, meter = measured_step(model, cfg, lambda: F.cross_entropy(model(x), y).backward())
     # the stored widths: the level's, and for the 8x8 maps of 1,024 elements per channel 2 more
@@ -119,7 +109,7 @@ def test_measured_sensitivities_predict_the_rounding_variance_of_each_weight_gra
     assert all(v > 0 for v in predicted.values()), measured
     errors = {name: [] for name in weights}
     for seed in range(1, 49):
-        g = _grads(model, x, y, cfg.replace(seed=seed))
+        g = cross_entropy_grads(model, x, y, cfg.replace(seed=seed))
         for name in weights:
             errors[name].append(float((g[name] - exact[name]).square().sum()))
     for name, values in errors.items():
@@ -570,7 +560,7 @@ def test_measured_batchnorm_inputs_predict_their_rounding_variance(kind: str, le
     model, x = _normalised(kind)
     y = torch.randint(0, 10, (x.shape[0],))
     cfg = GactConfig.from_level(level, min_numel=100)  # the statistics (1-D) stay exact
-    exact = _grads(model, x, y, None)
+    exact = cross_entropy_grads(model, x, y, None)
     controller, meter = measured_step(model, cfg, lambda: F.cross_entropy(model(x), y).backward())
     stored = {key: r.bits for key, r in controller.ledger.view()[0].items()}
     measured = meter.sensitivities()
@@ -581,7 +571,7 @@ def test_measured_batchnorm_inputs_predict_their_rounding_variance(kind: str, le
     names = ("producer.weight", "norm.weight")
     errors = []
     for seed in range(1, 33):
-        g = _grads(model, x, y, cfg.replace(seed=seed))
+        g = cross_entropy_grads(model, x, y, cfg.replace(seed=seed))
         errors.append(sum(float((g[n] - exact[n]).square().sum()) for n in names))
     mean, se = np.mean(errors), np.std(errors, ddof=1) / math.sqrt(len(errors))
     assert abs(mean - predicted) <= 4 * se + 0.15 * predicted, (mean, se, predicted)

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from gact import Controller, GactConfig
+from gact import GactConfig
 from gact.measured_pointwise import FURTHER_BACK
 from gact.pointwise import DERIVATIVES, SECOND_DERIVATIVES
-from runtime_helpers import measured_step
+from runtime_helpers import cross_entropy_grads, measured_step
 from torch import nn
 
 ACTIVATIONS = {
@@ -53,16 +53,6 @@ def _case(act: str, rank: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     return model, torch.randint(0, 4, shape).float() / 3, torch.randint(0, 10, (shape[0],))
 
 
-def _grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: GactConfig | None):
-    model.zero_grad()
-    if cfg is None:
-        F.cross_entropy(model(x), y).backward()
-    else:
-        with Controller(model, cfg):
-            F.cross_entropy(model(x), y).backward()
-    return model.fc1.weight.grad.clone()
-
-
 @pytest.mark.parametrize("rank", [3, 2], ids=["tokens", "rows"])
 @pytest.mark.parametrize("level", ["L1", "L1.2"])
 @pytest.mark.parametrize("act", sorted(ACTIVATIONS))
@@ -78,7 +68,7 @@ def test_measured_pointwise_inputs_predict_the_producer_weights_rounding_varianc
     slack (false-alarm probability under the normal approximation below 1e-4)."""
     model, x, y = _case(act, rank)
     cfg = GactConfig.from_level(level, min_numel=100, derivative_tables=False)
-    exact = _grads(model, x, y, None)
+    exact = cross_entropy_grads(model, x, y, None)["fc1.weight"]
     controller, meter = measured_step(model, cfg, lambda: F.cross_entropy(model(x), y).backward())
     assert not meter.probed, meter.probed
     stored = {key: r.bits for key, r in controller.ledger.view()[0].items()}
@@ -87,7 +77,7 @@ def test_measured_pointwise_inputs_predict_the_producer_weights_rounding_varianc
     predicted = measured[key] * gact_policy.variance_factor(stored[key]) / FURTHER_BACK
     errors = []
     for seed in range(1, 33):
-        g = _grads(model, x, y, cfg.replace(seed=seed))
+        g = cross_entropy_grads(model, x, y, cfg.replace(seed=seed))["fc1.weight"]
         errors.append(float((g - exact).square().sum()))
     mean, se = np.mean(errors), np.std(errors, ddof=1) / math.sqrt(len(errors))
     assert abs(mean - predicted) <= 4 * se + 0.15 * predicted, (mean, se, predicted)
