@@ -66,9 +66,9 @@ _P = TypeVar("_P", Producer, Rows)
 # (normalisations, attention, pointwise derivatives, products of two activations) leaves it
 # to the probes, but for BatchNorm inputs that such a layer produced (NOTE [Measured BatchNorm
 # inputs] in measured_norms.py) and GELU or SiLU inputs that a linear layer produced (NOTE
-# [Measured pointwise inputs] in measured_pointwise.py). Cost, on the steps the meter runs only: one dequantization and
-# one reduction per measured save, one reduction (a ones-kernel convolution) per backward;
-# counted as adaptation time (``seconds``).
+# [Measured pointwise inputs] in measured_pointwise.py). Cost, on the steps the meter runs
+# only: one dequantization and one reduction per measured save, one reduction (a ones-kernel
+# convolution) per backward; counted as adaptation time (``seconds``).
 
 
 class SensitivityMeter:

@@ -83,8 +83,9 @@ class Rows:
     ) -> Curved:
         """What the term of ``function``'s input ``x`` (this call's output) needs from the
         forward; ``variance(part)``: the per-element rounding variance of a part of ``x`` (a
-        throwaway quantization), taken over slices of at most an eighth of ``x`` (NOTE [Batch
-        slices] in measured_norms.py), so that its temporaries stay small."""
+        throwaway quantization), taken over slices of an eighth of its blocks, of at least
+        ``_SLICE_ELEMENTS`` elements (NOTE [Batch slices] in measured_norms.py), so that its
+        temporaries stay small."""
         shape = _blocks(x)
         blocks = x.detach().reshape(shape)
         norms = self.norms.view(*shape[:2], 1)
