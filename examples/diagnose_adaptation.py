@@ -1,7 +1,8 @@
 """Why adaptive bits can lose to uniform ones: sensitivity estimators against the truth.
 
-For the char-GPT, GAT and BERT-classifier examples and the ResNet-18 layout, at initialisation and after some fp32 training steps, this
-measures per saved tensor (per *item*):
+For the char-GPT, GAT and BERT-classifier examples, the ResNet-18 layout and the LLaMA-style
+decoder, at initialisation and after some fp32 training steps, this measures per saved tensor
+(per *item*):
 
 - the *true* effect of quantizing that tensor alone at 2, 4 and 8 bits, every other tensor kept
   at full precision: over ``--seeds`` rounding seeds, the gradient's variance (trace of the
@@ -20,6 +21,7 @@ truth, bias^2 against variance per op kind, and the bits each allocation gives.
     python examples/diagnose_adaptation.py --data ../shared/data --model gat --steps 0,100,250
     python examples/diagnose_adaptation.py --data ../shared/data --model bert --steps 0,300
     python examples/diagnose_adaptation.py --data ../shared/data --model resnet18 --steps 0,50,200
+    python examples/diagnose_adaptation.py --data ../shared/data --model llama --steps 0,300
 """
 
 from __future__ import annotations
@@ -143,37 +145,46 @@ def bert_task(
     return model, train_step, closure
 
 
-def resnet18_task(
-    data: str, seed: int, layers: int | None
-) -> tuple[torch.nn.Module, Callable, Callable]:
-    """The stability study's ResNet-18 layout on CIFAR-10 (4,096 training images, batch 64,
-    SGD at lr 0.05 with momentum 0.9; always its 18 layers)."""
-    task = make_task("resnet18", argparse.Namespace(data=data, images=4096, batch_size=64))
-    torch.manual_seed(seed)
-    model = task.build()
-    optimizer = task.optimizer(model, 0.05)
-    batches = task.batches(torch.Generator().manual_seed(seed))
-    probe = next(batches)
+def study_task(
+    name: str, lr: float, **sizes: int
+) -> Callable[..., tuple[torch.nn.Module, Callable, Callable]]:
+    """A task of the stability study (``gact_examples.tasks``): ``"resnet18"``, the ResNet-18
+    layout on CIFAR-10 (SGD with momentum 0.9), or ``"llama"``, the LLaMA-style decoder on
+    tiny-shakespeare characters (AdamW), at learning rate ``lr``, with ``sizes`` (images,
+    batch_size); ``layers`` is ignored (their own depths)."""
 
-    def train_step() -> None:
-        model.train()
-        optimizer.zero_grad()
-        task.loss(model, next(batches)).backward()
-        optimizer.step()
+    def task_of(
+        data: str, seed: int, layers: int | None
+    ) -> tuple[torch.nn.Module, Callable, Callable]:
+        task = make_task(name, argparse.Namespace(data=data, **sizes))
+        torch.manual_seed(seed)
+        model = task.build()
+        optimizer = task.optimizer(model, lr)
+        batches = task.batches(torch.Generator().manual_seed(seed))
+        probe = next(batches)
 
-    def closure() -> None:
-        model.train()
-        model.zero_grad()
-        task.loss(model, probe).backward()
+        def train_step() -> None:
+            model.train()
+            optimizer.zero_grad()
+            task.loss(model, next(batches)).backward()
+            optimizer.step()
 
-    return model, train_step, closure
+        def closure() -> None:
+            model.train()
+            model.zero_grad()
+            task.loss(model, probe).backward()
+
+        return model, train_step, closure
+
+    return task_of
 
 
 TASKS = {
     "char-gpt": char_gpt_task,
     "gat": gat_task,
     "bert": bert_task,
-    "resnet18": resnet18_task,
+    "resnet18": study_task("resnet18", 0.05, images=4096, batch_size=64),
+    "llama": study_task("llama", 1e-3, batch_size=32),
 }
 
 

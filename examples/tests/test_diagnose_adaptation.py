@@ -57,3 +57,21 @@ def test_diagnosis_of_the_resnet_measures_its_batchnorm_inputs(data_root, tmp_pa
     norms = [i for i, c in enumerate(rec["consumers"]) if c == ["NativeBatchNormBackward"]]
     assert len(norms) == 20 and all(est["measured"][i] for i in norms)
     assert sum(est["measured"]) == len(rec["keys"]) and est["runtime_probes"] == 0
+
+
+def test_diagnosis_of_the_llama_measures_its_silu_inputs(data_root, tmp_path, script):
+    """The LLaMA-style decoder: its SiLU inputs (the gate projections' outputs) are measured
+    (NOTE [Measured pointwise inputs]); the product ``silu(gate) * up``, the RMSNorm inputs and
+    the attention are probed."""
+    pytest.importorskip("transformers")  # examples[transformers], in tests(examples)
+    diagnose = script("diagnose_adaptation.py")
+    out = tmp_path / "d.json"
+    argv = ["--data", str(data_root), "--model", "llama", "--steps", "0", "--seeds", "2"]
+    diagnose.main([*argv, "--out", str(out), "--threads", "1"])
+    (rec,) = json.loads(out.read_text())["records"]
+    est = rec["estimates"]
+    silu = [i for i, c in enumerate(rec["consumers"]) if c == ["SiluBackward"]]
+    assert len(silu) == 2 and all(est["measured"][i] for i in silu)
+    products = [i for i, k in enumerate(rec["keys"]) if k.startswith("model.layers.0.mlp#")]
+    assert products and not any(est["measured"][i] for i in products)
+    assert est["runtime_probes"] > 0
