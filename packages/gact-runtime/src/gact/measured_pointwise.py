@@ -47,8 +47,9 @@ __all__ = ["Curved", "Rows"]
 #   parameter's gradient at initialisation, 0.19-0.54 after 300 steps (the last layer's the
 #   least). So the term is scaled by ``FURTHER_BACK`` = 2, what those measurements put on the
 #   rest of the model: 0.31-1.09 of the true effect on that model's GELU inputs, 0.39-0.85 on
-#   char-GPT's, where the probes it replaces were 50-115x off (BENCHMARKS.md, "Measured GELU
-#   inputs").
+#   char-GPT's, where the probes it replaces were 50-115x off; 0.37-0.84 on a LLaMA-style
+#   decoder's SiLU inputs, where the probes happened to be closer (BENCHMARKS.md, "Measured
+#   GELU inputs").
 # A function whose input no measured linear layer made (a convolution's output, a residual
 # sum, a product) is probed.
 FURTHER_BACK = 2.0
