@@ -45,12 +45,13 @@ class _Mlp(nn.Module):
 
 
 def _case(act: str, rank: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    """The model and a batch on a 4-level grid ({0, 1/3, 2/3, 1}: exact at 2 and 4 bits), so
-    that only the activation's input's rounding reaches ``fc1``'s weight gradient."""
+    """The model and a batch on a 4-level grid ({0, 1/9, 2/9, 1/3}: exact at 2 and 4 bits), so
+    that only the activation's input's rounding reaches ``fc1``'s gradients; the rows' squared
+    norms are about 1.4, so the bias's gradient carries 40% of their error."""
     torch.manual_seed(0)
     model = _Mlp(act)
     shape = (16, 12, 32) if rank == 3 else (192, 32)
-    return model, torch.randint(0, 4, shape).float() / 3, torch.randint(0, 10, (shape[0],))
+    return model, torch.randint(0, 4, shape).float() / 9, torch.randint(0, 10, (shape[0],))
 
 
 @pytest.mark.parametrize("rank", [3, 2], ids=["tokens", "rows"])
@@ -60,7 +61,7 @@ def test_measured_pointwise_inputs_predict_the_producer_weights_rounding_varianc
     act: str, level: str, rank: int
 ) -> None:
     """The measured sensitivity of a GELU/SiLU input that a linear layer produced, divided by
-    ``FURTHER_BACK``, predicts ``E‖Δ grad W‖²`` of that layer's weight over 32 rounding
+    ``FURTHER_BACK``, predicts ``E‖Δ grad‖²`` of that layer's weight and bias over 32 rounding
     seeds, whether the save is quantized (``derivative_tables=False``) or a derivative table
     (then the table's error, deterministic, is not what is predicted: only that the key is
     measured and its value the quantized one's). The term sums over blocks of rows and leaves
@@ -68,7 +69,8 @@ def test_measured_pointwise_inputs_predict_the_producer_weights_rounding_varianc
     slack (false-alarm probability under the normal approximation below 1e-4)."""
     model, x, y = _case(act, rank)
     cfg = GactConfig.from_level(level, min_numel=100, derivative_tables=False)
-    exact = cross_entropy_grads(model, x, y, None)["fc1.weight"]
+    exact = cross_entropy_grads(model, x, y, None)
+    names = ("fc1.weight", "fc1.bias")
     controller, meter = measured_step(model, cfg, lambda: F.cross_entropy(model(x), y).backward())
     assert not meter.probed, meter.probed
     stored = {key: r.bits for key, r in controller.ledger.view()[0].items()}
@@ -77,8 +79,8 @@ def test_measured_pointwise_inputs_predict_the_producer_weights_rounding_varianc
     predicted = measured[key] * gact_policy.variance_factor(stored[key]) / FURTHER_BACK
     errors = []
     for seed in range(1, 33):
-        g = cross_entropy_grads(model, x, y, cfg.replace(seed=seed))["fc1.weight"]
-        errors.append(float((g - exact).square().sum()))
+        g = cross_entropy_grads(model, x, y, cfg.replace(seed=seed))
+        errors.append(sum(float((g[n] - exact[n]).square().sum()) for n in names))
     mean, se = np.mean(errors), np.std(errors, ddof=1) / math.sqrt(len(errors))
     assert abs(mean - predicted) <= 4 * se + 0.15 * predicted, (mean, se, predicted)
     # stored as a derivative table, the same key is still measured, to the same value

@@ -196,10 +196,14 @@ class LinearUse:
         conv: ``(stride, padding, dilation, groups, kernel)`` of a convolution, per spatial
             dimension; ``None``: the gradient is ``g^T x`` over rows of the last dimension
             (``F.linear``, ``x @ W``, ``addmm``).
+        bias: the product adds a trainable bias (``F.linear``'s, ``addmm``'s input), whose
+            gradient sums the output gradient's rows (NOTE [Measured pointwise inputs] in
+            measured_pointwise.py).
     """
 
     numel: int
     conv: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int, tuple[int, ...]] | None
+    bias: bool = False
 
     def reads(self, tensor: torch.Tensor) -> bool:
         """Whether a save of ``tensor`` made during the call is that argument."""
@@ -665,21 +669,26 @@ def _parameter(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.requires_grad and value.grad_fn is None
 
 
-def _linear_use(x: Any) -> DecisionSpec | None:
-    if not isinstance(x, torch.Tensor) or x.dim() == 0 or not x.numel():
-        return None
-    return DecisionSpec(linear=LinearUse(x.numel(), None))
-
-
-def _product(x_at: tuple[int, str], weight_at: tuple[int, str], *, matrix: bool) -> _Rule:
+def _product(
+    x_at: tuple[int, str],
+    weight_at: tuple[int, str],
+    *,
+    matrix: bool,
+    bias_at: tuple[int, str] | None = None,
+) -> _Rule:
     """Rule of a call computing ``x W`` (rows of ``x``) with a parameter ``W`` at ``weight_at``
-    (position, keyword), a matrix if ``matrix``: ``F.linear``, ``addmm``, ``matmul``, ``mm``."""
+    (position, keyword), a matrix if ``matrix``, plus the bias at ``bias_at`` if any:
+    ``F.linear``, ``addmm``, ``matmul``, ``mm``."""
 
     def rule(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
         weight = _arg(args, kwargs, *weight_at, None)
         if not _parameter(weight) or (matrix and weight.dim() != 2):
             return None
-        return _linear_use(_arg(args, kwargs, *x_at, None))
+        x = _arg(args, kwargs, *x_at, None)
+        if not isinstance(x, torch.Tensor) or x.dim() == 0 or not x.numel():
+            return None
+        bias = bias_at is not None and _parameter(_arg(args, kwargs, *bias_at, None))
+        return DecisionSpec(linear=LinearUse(x.numel(), None, bias))
 
     return rule
 
@@ -852,8 +861,11 @@ def _meter_rules() -> dict[Callable[..., Any], _Rule]:
     matmul = _product((0, "input"), (1, "other"), matrix=True)
     return {
         **dict.fromkeys(_MAX_POOLS, _always(_POOLED)),
-        F.linear: _product((0, "input"), (1, "weight"), matrix=False),
-        **dict.fromkeys((torch.addmm, T.addmm), _product((1, "mat1"), (2, "mat2"), matrix=True)),
+        F.linear: _product((0, "input"), (1, "weight"), matrix=False, bias_at=(2, "bias")),
+        **dict.fromkeys(
+            (torch.addmm, T.addmm),
+            _product((1, "mat1"), (2, "mat2"), matrix=True, bias_at=(0, "input")),
+        ),
         **dict.fromkeys((torch.matmul, T.matmul, T.__matmul__), matmul),
         **dict.fromkeys((torch.mm, T.mm), _product((0, "input"), (1, "mat2"), matrix=True)),
         F.conv1d: _conv(1),

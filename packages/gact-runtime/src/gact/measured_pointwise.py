@@ -19,16 +19,16 @@ __all__ = ["Curved", "Rows"]
 # The backward of GELU or SiLU reads its saved input ``x`` only through ``f'(x)``: rounding
 # ``x`` to ``x + ε`` changes the input's gradient ``g f'(x)`` by ``e = g f''(x) ε`` to first
 # order. Where a measured linear layer produced ``x`` from rows ``u_r`` (the first layer of a
-# transformer's MLP), ``e`` reaches that layer's weight gradient ``e^T u``, which errs, with
-# independent zero-mean ``ε``, by
+# transformer's MLP), ``e`` reaches that layer's weight gradient ``e^T u`` and its bias's
+# ``Σ_r e_r``, which err, with independent zero-mean ``ε``, by
 #
-#     E‖e^T u‖² = Σ_r ‖u_r‖² Σ_j g_rj² f''(x_rj)² Var ε_rj
+#     E‖e^T u‖² + E‖Σ_r e_r‖² = Σ_r (‖u_r‖² + 1) Σ_j g_rj² f''(x_rj)² Var ε_rj
 #
-# So a measured linear call keeps ``‖u_r‖²`` per row when it returns (one number per row, on
-# measuring steps only); at the function's save of that output (same object, same version) the
-# meter forms ``m_rj = ‖u_r‖² f''(x_rj)² Var ε_rj`` and sums it over each sample's rows: the
-# positions of one index of the first dimension (a sequence's tokens), or blocks of up to 8
-# rows of a 2-D input. ``Var ε`` is read, as in NOTE [Measured sensitivities], off a throwaway
+# (no ``+ 1`` without a trainable bias). So a measured linear call keeps ``‖u_r‖² (+ 1)`` per
+# row when it returns (one number per row, on measuring steps only); at the function's save of
+# that output (same object, same version) the meter forms ``m_rj = (‖u_r‖² + 1) f''(x_rj)²
+# Var ε_rj`` and sums it over each sample's rows: the positions of one index of the first
+# dimension (a sequence's tokens), or blocks of up to 8 rows of a 2-D input. ``Var ε`` is read, as in NOTE [Measured sensitivities], off a throwaway
 # 8-bit quantization in the layout of a quantized save (``TRIAL_BITS``; the save itself may be
 # a derivative table), one slice of the batch at a time: these inputs are a transformer's
 # largest, and reading the whole one at once (its values, steps and ``f''``) raised a measuring
@@ -37,13 +37,12 @@ __all__ = ["Curved", "Rows"]
 # the mean of ``g²`` over the same rows. Exact per element, it would hold a tensor of ``x``'s
 # size until the backward; on the BERT example's GELU inputs the sums were 0.86-1.10 of the
 # exact term. Left out:
-# - the producer's bias (it adds 1 to ``‖u_r‖²``: a few percent for normalised rows of 64
-#   features or more), and second-order terms (the squared bias of a GELU input's rounding is
-#   at most 0.05 of its variance at 4 bits on the BERT and char-GPT examples, 0.07-2.6 at 2 bits,
+# - second-order terms (the squared bias of a GELU input's rounding is at most 0.05 of its
+#   variance at 4 bits on the BERT and char-GPT examples, 0.07-2.6 at 2 bits,
 #   ``diagnose_adaptation.py``);
 # - the error that the producer's input gradient ``e W`` carries further back. Rounding one
 #   GELU input of the BERT example at a time (4 bits, 8 seeds), the term was 0.97-1.02 of the
-#   error of the producer's weight, and that weight's error was 0.50-0.52 of the error of every
+#   error of the producer's weight and bias, and their error was 0.50-0.52 of the error of every
 #   parameter's gradient at initialisation, 0.19-0.54 after 300 steps (the last layer's the
 #   least). So the term is scaled by ``FURTHER_BACK`` = 2, what those measurements put on the
 #   rest of the model: 0.31-1.09 of the true effect on that model's GELU inputs, 0.39-0.85 on
@@ -60,7 +59,8 @@ _SLICE_ELEMENTS = 1 << 18  # elements per slice at least (NOTE [Batch slices]: a
 class Rows:
     """What a GELU or SiLU reading a measured linear call's output needs of that call (NOTE
     [Measured pointwise inputs]), taken when it returns: the output (weakly), its version and
-    ``‖u_r‖²`` per row of the call's input."""
+    ``‖u_r‖²`` per row of the call's input (``‖u_r‖² + 1`` if the call adds a trainable
+    bias)."""
 
     __slots__ = ("norms", "output", "version")
 
@@ -77,7 +77,8 @@ class Rows:
             return None
         with torch.no_grad(), _fp32(out):
             norms = torch.linalg.vector_norm(source.detach(), dim=-1, dtype=torch.float32)
-        return cls(out, norms.square_().view(-1))
+            norms = norms.square_().view(-1)
+        return cls(out, norms.add_(1.0) if use.bias else norms)
 
     def curved(
         self, x: torch.Tensor, function: str, variance: Callable[[torch.Tensor], torch.Tensor]
