@@ -45,14 +45,19 @@ def test_diagnosis_measures_truth_and_estimates(model, data_root, tmp_path, scri
     assert "measured and probed at step 1 (the runtime now)" in table
 
 
+def _diagnosed_at_step_0(script, data_root, tmp_path, model: str) -> dict:
+    """The record of ``diagnose_adaptation.py --model MODEL --steps 0 --seeds 2``."""
+    out = tmp_path / "d.json"
+    argv = ["--data", str(data_root), "--model", model, "--steps", "0", "--seeds", "2"]
+    script("diagnose_adaptation.py").main([*argv, "--out", str(out), "--threads", "2"])
+    (rec,) = json.loads(out.read_text())["records"]
+    return rec
+
+
 def test_diagnosis_of_the_resnet_measures_its_batchnorm_inputs(data_root, tmp_path, script):
     """The ResNet-18 layout (tiny CIFAR-10): every BatchNorm input is measured, not probed
     (NOTE [Measured BatchNorm inputs]), and so is everything else: no probe runs."""
-    diagnose = script("diagnose_adaptation.py")
-    out = tmp_path / "d.json"
-    argv = ["--data", str(data_root), "--model", "resnet18", "--steps", "0", "--seeds", "2"]
-    diagnose.main([*argv, "--out", str(out), "--threads", "2"])
-    (rec,) = json.loads(out.read_text())["records"]
+    rec = _diagnosed_at_step_0(script, data_root, tmp_path, "resnet18")
     est = rec["estimates"]
     norms = [i for i, c in enumerate(rec["consumers"]) if c == ["NativeBatchNormBackward"]]
     assert len(norms) == 20 and all(est["measured"][i] for i in norms)
@@ -64,11 +69,7 @@ def test_diagnosis_of_the_llama_measures_its_silu_inputs(data_root, tmp_path, sc
     (NOTE [Measured pointwise inputs]); the product ``silu(gate) * up``, the RMSNorm inputs and
     the attention are probed."""
     pytest.importorskip("transformers")  # examples[transformers], in tests(examples)
-    diagnose = script("diagnose_adaptation.py")
-    out = tmp_path / "d.json"
-    argv = ["--data", str(data_root), "--model", "llama", "--steps", "0", "--seeds", "2"]
-    diagnose.main([*argv, "--out", str(out), "--threads", "1"])
-    (rec,) = json.loads(out.read_text())["records"]
+    rec = _diagnosed_at_step_0(script, data_root, tmp_path, "llama")
     est = rec["estimates"]
     silu = [i for i, c in enumerate(rec["consumers"]) if c == ["SiluBackward"]]
     assert len(silu) == 2 and all(est["measured"][i] for i in silu)

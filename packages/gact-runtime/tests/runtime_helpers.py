@@ -8,6 +8,7 @@ import types
 from typing import Any, Callable
 
 import gact_kernels
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -108,6 +109,24 @@ def cross_entropy_grads(
         with Controller(model, cfg):
             F.cross_entropy(model(x), y).backward()
     return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def rounding_errors(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    cfg: GactConfig,
+    names: tuple[str, ...],
+    seeds: int = 32,
+) -> tuple[float, float]:
+    """The mean over rounding seeds 1..``seeds`` of the squared error, against the exact
+    gradients, of the parameters ``names`` under ``cfg``, and its standard error."""
+    exact = cross_entropy_grads(model, x, y, None)
+    errors = []
+    for seed in range(1, seeds + 1):
+        g = cross_entropy_grads(model, x, y, cfg.replace(seed=seed))
+        errors.append(sum(float((g[n] - exact[n]).square().sum()) for n in names))
+    return float(np.mean(errors)), float(np.std(errors, ddof=1) / math.sqrt(seeds))
 
 
 def measured_step(

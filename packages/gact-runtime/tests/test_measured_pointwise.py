@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import math
-
 import gact_policy
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from gact import GactConfig
 from gact.measured_pointwise import FURTHER_BACK
 from gact.pointwise import DERIVATIVES, SECOND_DERIVATIVES
-from runtime_helpers import cross_entropy_grads, measured_step
+from runtime_helpers import measured_step, rounding_errors
 from torch import nn
 
 ACTIVATIONS = {
@@ -69,19 +66,13 @@ def test_measured_pointwise_inputs_predict_the_producer_weights_rounding_varianc
     slack (false-alarm probability under the normal approximation below 1e-4)."""
     model, x, y = _case(act, rank)
     cfg = GactConfig.from_level(level, min_numel=100, derivative_tables=False)
-    exact = cross_entropy_grads(model, x, y, None)
-    names = ("fc1.weight", "fc1.bias")
     controller, meter = measured_step(model, cfg, lambda: F.cross_entropy(model(x), y).backward())
     assert not meter.probed, meter.probed
     stored = {key: r.bits for key, r in controller.ledger.view()[0].items()}
     measured = meter.sensitivities()
     (key,) = [k for k in measured if k.startswith("<root>#")]  # the activation's input
     predicted = measured[key] * gact_policy.variance_factor(stored[key]) / FURTHER_BACK
-    errors = []
-    for seed in range(1, 33):
-        g = cross_entropy_grads(model, x, y, cfg.replace(seed=seed))
-        errors.append(sum(float((g[n] - exact[n]).square().sum()) for n in names))
-    mean, se = np.mean(errors), np.std(errors, ddof=1) / math.sqrt(len(errors))
+    mean, se = rounding_errors(model, x, y, cfg, ("fc1.weight", "fc1.bias"))
     assert abs(mean - predicted) <= 4 * se + 0.15 * predicted, (mean, se, predicted)
     # stored as a derivative table, the same key is still measured, to the same value
     _, tabled = measured_step(
