@@ -25,7 +25,7 @@ __all__ = ["TRIAL_BITS", "SensitivityMeter", "Trial", "rounding_variance"]
 #: precision, a derivative table) or measured in parts (NOTE [Measured pointwise inputs])
 TRIAL_BITS = 8
 #: a throwaway quantization of (a part of) a saved tensor at ``TRIAL_BITS``, in the layout a
-#: quantized save of it would have
+#: quantized save of it would have if it has rank 2 or 3 (memory order or feature groups)
 Trial = Callable[[torch.Tensor], gact_kernels.QuantizedTensor]
 
 _P = TypeVar("_P", Producer, Rows)

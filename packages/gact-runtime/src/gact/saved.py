@@ -890,7 +890,8 @@ class SaveHooks:
         full precision by an allocation, with a throwaway quantization of any part of it."""
         assert self.meter is not None
 
-        def trial(part: torch.Tensor) -> gact_kernels.QuantizedTensor:  # a quantized save's layout
+        # memory order or feature groups, as a quantized save of rank 2-3 (not a channel map's)
+        def trial(part: torch.Tensor) -> gact_kernels.QuantizedTensor:
             seed, config = self.plan.seed_for("<trial>", 0), self.plan.config
             features = _feature_dim(part, config, self.plan.default_bits)
             return gact_kernels.quantize(
