@@ -457,6 +457,24 @@ def test_speed_bench_compiled(data_root, script):
     assert res["levels"]["L1"]["ratio_median"] > 0
 
 
+def test_recomputed_activations(data_root, tmp_path, script):
+    """recomputed_activations.py: GPT-2 with a composite activation stores fewer bytes with its
+    intermediates recomputed; the time and training rows of both variants and fp32."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "ra.json"
+    argv = ["--data", str(data_root), "--activations", "quick_gelu", "--levels", "L1",
+            "--time-levels", "L1", "--rounds", "1", "--steps", "1", "--train-steps", "2",
+            "--seeds", "0", "--train-activations", "gelu_new", "--json", str(out)]  # fmt: skip
+    records = script("recomputed_activations.py").main(argv)
+    memory = {r["variant"]: r for r in records if r["kind"] == "memory"}
+    assert memory["recomputed"]["stored_bytes"] < memory["stored"]["stored_bytes"]
+    assert memory["recomputed"]["original_bytes"] == memory["stored"]["original_bytes"]
+    assert sorted(r["variant"] for r in records if r["kind"] == "time") == ["recomputed", "stored"]
+    runs = [(r["level"], r["variant"]) for r in records if r["kind"] == "train"]
+    assert runs == [("fp32", "-"), ("L2", "recomputed"), ("L2", "stored")]
+    assert json.loads(out.read_text()) == records
+
+
 def test_compile_bench(data_root, tmp_path, script):
     """compile_bench.py: eager and compiled runs from the same weights on the same batches; the
     loss against the eager run of the level, the live peak against the fp32 run of the backend."""

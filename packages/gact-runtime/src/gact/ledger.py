@@ -30,12 +30,13 @@ class Kind(str, enum.Enum):
     MASK = "mask"  # bool mask packed losslessly at 1 bit per element
     PACKED = "packed"  # integer tensor packed losslessly in the bits its range needs
     SHAPE = "shape"  # read by the backward only for its shape, stored as the shape alone
+    RECOMPUTED = "recomputed"  # an activation's intermediate, recomputed from its saved input
     KEPT = "kept"  # stored as it is (small, integer, float64, level L0, or full precision)
     OUTSIDE = "outside"  # saved outside the model's forward (e.g. the loss): kept as it is
     PARAMETER = "parameter"  # a parameter or buffer: not an activation, never compressed
 
 
-_COMPRESSED = (Kind.QUANTIZED, Kind.MASK, Kind.PACKED, Kind.SHAPE)
+_COMPRESSED = (Kind.QUANTIZED, Kind.MASK, Kind.PACKED, Kind.SHAPE, Kind.RECOMPUTED)
 
 
 def occupied_bytes(tensor: torch.Tensor) -> int:
@@ -241,7 +242,9 @@ class Ledger:
             "e: exact, a two-valued tensor such as binary features or a dropout's mask kept "
             "as floats, which 1 bit stores without error, so its sensitivity is 0 and its "
             "width is pinned); kind shape: the backward reads only the tensor's shape, which is "
-            "all that is stored; sensitivity: "
+            "all that is stored; kind recomputed: an intermediate of an activation written as "
+            "several operations (transformers' gelu_new and the like), recomputed in the "
+            "backward from the activation's saved input, nothing stored; sensitivity: "
             "the gradient variance a tensor adds per unit of S(b) = 1/(2^b-1)^2, smoothed over "
             "adaptations, ± one standard error of the last probed estimate (m: measured in the "
             "backward, no probe); bytes: as autograd would "

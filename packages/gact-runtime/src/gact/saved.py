@@ -28,15 +28,16 @@ from .ledger import Kind, Ledger, occupied_bytes
 from .measured import TRIAL_BITS
 from .params import ParameterFilter
 from .plan import BitPlan
-from .scope import ScopeTracker
+from .recomputed import ActivationCall
+from .scope import Frame, ScopeTracker
 from .swap import Swapper, Ticket
 
 if TYPE_CHECKING:
     from .measured import SensitivityMeter
 
 __all__ = [
-    "SaveHooks", "Saved", "SavedCompressed", "SavedKept", "SavedShape", "SavedView",
-    "installed_hooks",
+    "SaveHooks", "Saved", "SavedCompressed", "SavedKept", "SavedRecomputed", "SavedShape",
+    "SavedView", "installed_hooks",
 ]  # fmt: skip
 
 _PARAM_KEY = "<parameters>"  # ledger key of every parameter/buffer save
@@ -366,6 +367,29 @@ class SavedView(Saved):
                 "a GACT bug: please report it"
             )
         return values.as_strided(self.shape, self.stride, values.storage_offset() + self.offset)
+
+
+class SavedRecomputed(Saved):
+    """A save made inside a call of a recomputed activation, other than its input: holds no
+    data, and unpacks to what recomputing the call gives at its position (NOTE [Recomputed
+    activations] in recomputed.py)."""
+
+    __slots__ = ("call", "index", "like", "uses", "witness")
+
+    def __init__(self, tensor: torch.Tensor, key: str, call: ActivationCall) -> None:
+        super().__init__(tensor, key)
+        self.witness = _version_witness(tensor)
+        self.call, self.index = call, call.count - 1
+        call.handles.add(self.index)
+        self.like = (tensor.shape, tensor.dtype, tensor.stride())
+        self.uses = 1  # unpacks per backward: more where the same tensor was saved again
+
+    def _describe(self) -> str:
+        return _describe(self.witness.dtype, self.witness.device, self.like[0])
+
+    def unpack(self) -> torch.Tensor:
+        self._check(self.witness)
+        return self.call.take(self.index, self.uses, self.like)
 
 
 class _LiveTable:
@@ -784,8 +808,10 @@ class SaveHooks:
             return self._kept_parameter(tensor)
         # Every save advances its scope's counter, deduplicated or not, so that keys never
         # depend on how earlier tensors were treated (see NOTE [Save-site keys]).
-        key = self.tracker.next_key(tensor)
+        frame = self.tracker.running()
+        key = frame.next_key(tensor)
         spec = decisions.current_spec() if inside else None
+        call, is_input = self._activation_call(frame, tensor) if inside else (None, False)
         if (
             spec is not None
             and spec.shape_only(tensor)
@@ -820,15 +846,24 @@ class SaveHooks:
                 self._decide(hit, tensor, spec)
             if self.meter is not None:
                 self._measure(hit, tensor, spec)
+            if isinstance(hit, SavedRecomputed):
+                hit.uses += 1
+            elif is_input and call.input is None:  # type: ignore[union-attr]
+                call.input = hit  # type: ignore[union-attr]
             return hit
         kind, compact = self._classify(key, tensor, spec, inside=inside, exact=exact)
-        if kind is not None:
-            saved: Saved = SavedKept(tensor, key)
+        if call is not None and not is_input and not exact and spec is None and kind is None:
+            saved: Saved = SavedRecomputed(tensor, key, call)
+            self.ledger.record(key, tensor, Kind.RECOMPUTED, None, 0)
+        elif kind is not None:
+            saved = SavedKept(tensor, key)
             self._record_kept(key, tensor, kind)
         else:
             saved = self._compress(key, tensor, compact, spec)
             if isinstance(saved, SavedCompressed):
                 self._spans(tensor, saved, view)
+        if is_input and call.input is None:  # type: ignore[union-attr]
+            call.input = saved  # type: ignore[union-attr]
         if not (isinstance(saved, SavedCompressed) and saved.table is not None):
             self.live.add(tensor, saved, self.tracker.generation)
             if by_storage:
@@ -836,6 +871,25 @@ class SaveHooks:
         if self.meter is not None:
             self._measure(saved, tensor, spec)
         return saved
+
+    def _activation_call(
+        self, frame: Frame, tensor: torch.Tensor
+    ) -> tuple[ActivationCall | None, bool]:
+        """The call of a recomputed activation this save is made in (``frame``), if any,
+        counted with the save, and whether ``tensor`` is the call's input (NOTE [Recomputed
+        activations] in recomputed.py)."""
+        call = frame.call
+        if call is None:
+            config = self.plan.config
+            recomputes = config.recompute_activations and config.spec.compresses
+            call = frame.call = (
+                recomputes and ActivationCall.of(frame.module, frame.args)
+            ) or False
+        if not call:
+            return None, False
+        assert isinstance(call, ActivationCall)
+        call.count += 1
+        return call, tensor is frame.args[0]
 
     def _live_save(self, tensor: torch.Tensor, by_storage: bool) -> Saved | None:
         """What this forward's save of ``tensor`` returned, if it was saved already: the same

@@ -17,7 +17,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .decisions import DecisionMode
 
-__all__ = ["OUTSIDE", "ScopeTracker", "dtype_name"]
+__all__ = ["OUTSIDE", "Frame", "ScopeTracker", "dtype_name"]
 
 # NOTE [Save-site keys]
 # A saved tensor is named by *where* it was saved, not by when: the qualified name of the
@@ -101,13 +101,32 @@ def _called_by_dynamo() -> bool:
 _DYNAMO_WRAPPER = os.path.join("_dynamo", "eval_frame.py")
 
 
-class _Frame:
-    __slots__ = ("count", "module", "name")
+class Frame:
+    """One running call of a module of the model (the bottom frame: outside every module).
 
-    def __init__(self, module: nn.Module | None, name: str) -> None:
+    Attributes:
+        module: the module (``None`` for the bottom frame).
+        name: its qualified name, which names its saves (NOTE [Save-site keys]).
+        args: the positional arguments of the call, held while it runs.
+        count: saves made in the call so far.
+        call: what the save hooks keep for the call (NOTE [Recomputed activations] in
+            recomputed.py), ``None`` until its first save.
+    """
+
+    __slots__ = ("args", "call", "count", "module", "name")
+
+    def __init__(self, module: nn.Module | None, name: str, args: tuple[object, ...] = ()) -> None:
         self.module = module
         self.name = name
+        self.args = args
         self.count = 0
+        self.call: object = None
+
+    def next_key(self, tensor: torch.Tensor) -> str:
+        """The key of the call's next save, ``tensor`` (advances its counter)."""
+        index = self.count
+        self.count += 1
+        return f"{self.name}#{index}:{dtype_name(tensor.dtype)}:{tensor.dim()}d"
 
 
 class _ModeScope:
@@ -172,11 +191,11 @@ class ScopeTracker:
         # a call of the module torch.compile(model) returned is running (NOTE [Compiled forwards])
         self._in_compiled_module = False
 
-    def _stack(self) -> list[_Frame]:
+    def _stack(self) -> list[Frame]:
         local = self._local
         stack = getattr(local, "stack", None)
         if stack is None:
-            stack = local.stack = [_Frame(None, OUTSIDE)]
+            stack = local.stack = [Frame(None, OUTSIDE)]
             local.generation = self._generation
             local.entered = 0
             local.compiled = False
@@ -241,14 +260,16 @@ class ScopeTracker:
         self._local = threading.local()
         self._in_compiled_module = False
 
-    def _push(self, module: nn.Module, label: str, compiled: bool = False) -> None:
+    def _push(
+        self, module: nn.Module, label: str, args: object = (), compiled: bool = False
+    ) -> None:
         stack = self._stack()
         if len(stack) == 1:  # entering the model (its root, or a submodule called alone)
             self._local.entered = next(_ticks)
             self._local.compiled = compiled
             if not compiled:
                 _ModeScope.enter()
-        stack.append(_Frame(module, label))
+        stack.append(Frame(module, label, args if isinstance(args, tuple) else ()))
 
     def _pop(self, module: nn.Module) -> None:
         stack = self._stack()
@@ -267,7 +288,7 @@ class ScopeTracker:
         def enter(module: nn.Module, args: object) -> None:
             if torch.compiler.is_compiling():
                 return  # a submodule traced by dynamo (see NOTE [Compiled forwards])
-            self._push(module, labels[id(module)])
+            self._push(module, labels[id(module)], args)
 
         def leave(module: nn.Module, args: object, output: object) -> None:
             if torch.compiler.is_compiling():
@@ -288,7 +309,7 @@ class ScopeTracker:
     def _enter_root(self, compiled: bool) -> None:
         self._generation += 1
         self._on_root_forward()
-        self._push(self._model, "<root>", compiled)
+        self._push(self._model, "<root>", compiled=compiled)
 
     def _leave_root(self, output: object) -> None:
         compiled = self.compiled()
@@ -340,12 +361,14 @@ class ScopeTracker:
         entries across trackers), or 0 when no module of the model is running."""
         return self._local.entered if len(self._stack()) > 1 else 0
 
+    def running(self) -> Frame:
+        """The frame of the innermost running module of the model on this thread (the bottom
+        frame, named ``<outside>``, when none runs)."""
+        return self._stack()[-1]
+
     def next_key(self, tensor: torch.Tensor) -> str:
         """The key of the next save in the current scope (advances the scope's counter)."""
-        frame = self._stack()[-1]
-        index = frame.count
-        frame.count += 1
-        return f"{frame.name}#{index}:{dtype_name(tensor.dtype)}:{tensor.dim()}d"
+        return self._stack()[-1].next_key(tensor)
 
 
 @functools.cache
