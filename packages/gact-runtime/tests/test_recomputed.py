@@ -289,6 +289,19 @@ def test_a_forward_changed_before_the_backward_raises() -> None:
             loss.backward()
 
 
+def test_an_input_replaced_by_a_later_pre_hook_raises() -> None:
+    """A forward pre-hook registered after ``install_hook()`` that hands the activation another
+    input: the call never saves the input GACT recorded, so its intermediates cannot be
+    recomputed from it; the backward says so (and what to do) instead of recomputing from the
+    wrong tensor."""
+    model = MLP(QuickGELUActivation)
+    with Controller(model, GactConfig.from_level("L1")):
+        model.act.register_forward_pre_hook(lambda module, args: (args[0] * 1.0,))
+        loss = model(torch.randn(8, 16, 64)).square().mean()
+        with pytest.raises(GactError, match="never saved its input"):
+            loss.backward()
+
+
 @pytest.mark.parametrize("level", ["L0", "L2"])
 def test_levels(level: str) -> None:
     """L0 stores what PyTorch would (nothing recomputed); the adaptive levels recompute, and
