@@ -137,8 +137,9 @@ def training(data: str, activation: str, level: str, variant: str, seed: int, st
     finally:
         if ctl is not None:
             ctl.uninstall_hook()
+    tail = statistics.fmean(losses[-TAIL:])
     return {"kind": "train", "activation": activation, "level": level, "variant": variant,
-            "seed": seed, "losses": losses, "tail_loss": statistics.fmean(losses[-TAIL:])}  # fmt: skip
+            "seed": seed, "losses": losses, "tail_loss": tail}  # fmt: skip
 
 
 def table(records: list[dict[str, Any]]) -> str:

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gact import Controller, GactConfig
+from gact.ledger import Kind
 from gact.measured import SensitivityMeter
 from torch import nn
 
@@ -95,6 +96,15 @@ def deferred_quantize(real: Callable[..., Any], lossless: list[int] | None = Non
         return gact_kernels.PendingQuantize(provisional, block, ManualEvent())
 
     return quantize_async
+
+
+def keep_exact(ctl: Controller, keep: Callable[[str], bool] = lambda key: True) -> None:
+    """White box: the keys of the last completed step's quantized saves for which ``keep``
+    holds are kept as they are from the next forward on."""
+    records, _ = ctl.ledger.view()
+    ctl.plan.exact_keys.update(
+        key for key, rec in records.items() if rec.kind is Kind.QUANTIZED and keep(key)
+    )
 
 
 def cross_entropy_grads(

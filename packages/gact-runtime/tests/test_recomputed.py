@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from gact import Controller, GactConfig
 from gact.errors import GactError
 from gact.ledger import Kind
 from gact.recomputed import RECOMPUTED_ACTIVATIONS, ActivationCall
-from runtime_helpers import grads_of, relative_error
+from runtime_helpers import grads_of, keep_exact, relative_error
 from torch import nn
 
 
@@ -81,15 +80,6 @@ def _act_kinds(ctl: Controller) -> dict[str, Kind]:
     return {key: rec.kind for key, rec in records.items() if key.startswith("act#")}
 
 
-def _keep_exact(ctl: Controller, keep: Callable[[str], bool]) -> None:
-    """White box: the keys of the last step's quantized saves for which ``keep`` holds are kept
-    as they are from now on."""
-    records, _ = ctl.ledger.view()
-    ctl.plan.exact_keys.update(
-        k for k, r in records.items() if r.kind is Kind.QUANTIZED and keep(k)
-    )
-
-
 @pytest.mark.parametrize("act", ACTIVATIONS, ids=lambda c: c.__name__)
 def test_only_the_input_is_stored(act: type[nn.Module]) -> None:
     """Every save of the call but its input is recomputed: the activation's stored bytes are
@@ -130,7 +120,7 @@ def test_gradients_exact_when_the_input_is_kept(act: type[nn.Module]) -> None:
     ctl = Controller(model, GactConfig.from_level("L1"))
     with ctl:
         _step(model, x)  # names the keys
-        _keep_exact(ctl, lambda key: True)
+        keep_exact(ctl)
         _step(model, x)
         _step(model, x)  # the ledger shows the last completed step
     kinds = _act_kinds(ctl)
@@ -158,7 +148,7 @@ def test_fewer_bytes_and_less_error_than_stored_intermediates(act: type[nn.Modul
             ctl = Controller(model, cfg)
             with ctl:
                 _step(model, x)
-                _keep_exact(ctl, lambda key: not key.startswith("act#"))
+                keep_exact(ctl, lambda key: not key.startswith("act#"))
                 _step(model, x)
                 _step(model, x)
             err.append(relative_error(grads_of(model), exact))
@@ -266,7 +256,7 @@ def test_autocast_state_is_restored_for_the_recomputation() -> None:
             k for k, r in records.items() if k.startswith("mlp.act#") and r.kind is Kind.QUANTIZED
         )
         assert records[key].dtype is torch.bfloat16  # the input, made by autocast's linear
-        _keep_exact(ctl, lambda key: True)
+        keep_exact(ctl)
         _step(model, x)
         _step(model, x)
         records, _ = ctl.ledger.view()

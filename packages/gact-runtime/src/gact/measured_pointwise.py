@@ -28,9 +28,10 @@ __all__ = ["Curved", "Rows"]
 # row when it returns (one number per row, on measuring steps only); at the function's save of
 # that output (same object, same version) the meter forms ``m_rj = (‖u_r‖² + 1) f''(x_rj)²
 # Var ε_rj`` and sums it over each sample's rows: the positions of one index of the first
-# dimension (a sequence's tokens), or blocks of up to 8 rows of a 2-D input. ``Var ε`` is read, as in NOTE [Measured sensitivities], off a throwaway
-# 8-bit quantization in the layout of a quantized save (``TRIAL_BITS``; the save itself may be
-# a derivative table), one slice of the batch at a time: these inputs are a transformer's
+# dimension (a sequence's tokens), or blocks of up to 8 rows of a 2-D input. ``Var ε`` is read,
+# as in NOTE [Measured sensitivities], off a throwaway 8-bit quantization in the layout of a
+# quantized save (``TRIAL_BITS``; the save itself may be a derivative table), one slice of the
+# batch at a time: these inputs are a transformer's
 # largest, and reading the whole one at once (its values, steps and ``f''``) raised a measuring
 # step's forward peak on the char-GPT memory configuration from 212 to 241 MiB. In the
 # backward a hook on the function's output reads ``g`` and weighs each sample's column sums by

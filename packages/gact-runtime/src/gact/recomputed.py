@@ -98,6 +98,11 @@ class ActivationCall:
             return None
         return cls(module, x.device.type)
 
+    def saw_input(self, saved: object) -> None:
+        """The call's input was saved as ``saved`` (the first save of it counts)."""
+        if self.input is None:
+            self.input = saved
+
     def take(
         self, index: int, uses: int, like: tuple[torch.Size, torch.dtype, tuple[int, ...]]
     ) -> torch.Tensor:

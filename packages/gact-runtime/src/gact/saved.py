@@ -848,8 +848,8 @@ class SaveHooks:
                 self._measure(hit, tensor, spec)
             if isinstance(hit, SavedRecomputed):
                 hit.uses += 1
-            elif is_input and call.input is None:  # type: ignore[union-attr]
-                call.input = hit  # type: ignore[union-attr]
+            elif is_input:
+                call.saw_input(hit)  # type: ignore[union-attr]
             return hit
         kind, compact = self._classify(key, tensor, spec, inside=inside, exact=exact)
         if call is not None and not is_input and not exact and spec is None and kind is None:
@@ -862,8 +862,8 @@ class SaveHooks:
             saved = self._compress(key, tensor, compact, spec)
             if isinstance(saved, SavedCompressed):
                 self._spans(tensor, saved, view)
-        if is_input and call.input is None:  # type: ignore[union-attr]
-            call.input = saved  # type: ignore[union-attr]
+        if is_input:
+            call.saw_input(saved)  # type: ignore[union-attr]
         if not (isinstance(saved, SavedCompressed) and saved.table is not None):
             self.live.add(tensor, saved, self.tracker.generation)
             if by_storage:

@@ -11,13 +11,9 @@ transformers = pytest.importorskip("transformers")
 from gact import Controller, GactConfig  # noqa: E402
 from gact.ledger import Kind  # noqa: E402
 from gact.recomputed import RECOMPUTED_ACTIVATIONS  # noqa: E402
+from runtime_helpers import keep_exact  # noqa: E402
 from torch import nn  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
-
-
-def _keep_everything_exact(ctl: Controller) -> None:
-    records, _ = ctl.ledger.view()
-    ctl.plan.exact_keys.update(k for k, r in records.items() if r.kind is Kind.QUANTIZED)
 
 
 @pytest.mark.parametrize("name", sorted(name for _, name in RECOMPUTED_ACTIVATIONS))
@@ -40,7 +36,7 @@ def test_each_listed_class_saves_its_input_and_recomputes_exactly(name: str) -> 
     ctl = Controller(model, GactConfig.from_level("L1"))
     with ctl:
         step()
-        _keep_everything_exact(ctl)
+        keep_exact(ctl)
         step()
         got = step()
     records, _ = ctl.ledger.view()
