@@ -17,6 +17,15 @@ level and seed, and a summary gives each compiled run's difference from eager ov
 shows in the fp32 rows. Runs are sequential: take step-time ratios from ``speed_bench.py
 --compile`` (interleaved), not from here.
 
+``--gradient-error SAMPLES`` asks what a final loss cannot tell apart from SGD's amplified noise:
+whether compiling changes what GACT's rounding does to the gradient. The model trains
+``--warmup`` steps in eager fp32; from those weights, per compiled or eager run of a GACT level,
+``SAMPLES`` steps compute the gradient of one batch without updating the weights (the rounding
+streams advance, dropout masks stay, an adaptive level adapts on its schedule without a time
+budget; ``L2@L1`` runs L2 at L1's stored bytes), and each is compared with the fp32 gradient of
+the same backend: the relative squared error
+``|g - g_fp32|^2 / |g_fp32|^2``, averaged from the step after the last adaptation on.
+
     python examples/compile_bench.py --data ../shared/data --models gpt2,resnet18 --steps 200
     python examples/compile_bench.py --data ../shared/data --models resnet18 --steps 200 \
         --seeds 0,1,2 --runs eager:L2,inductor:L2,eager:fp32,inductor:fp32
@@ -24,11 +33,14 @@ shows in the fp32 rows. Runs are sequential: take step-time ratios from ``speed_
         --runs eager:fp32,eager:L1,inductor:fp32,inductor:L1,aot_eager:fp32,aot_eager:L1
     python examples/compile_bench.py --data ../shared/data --models gpt2 --steps 4 \
         --runs eager:fp32,eager:L1,inductor/blocks:fp32,inductor/blocks:L1
+    python examples/compile_bench.py --data ../shared/data --models resnet18 --threads 1 \
+        --gradient-error 30 --warmup 20 --runs eager:L1.2,inductor:L1.2,eager:L2,inductor:L2
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import statistics
 import time
@@ -37,6 +49,7 @@ from typing import Any
 
 import torch
 from gact import Controller, GactConfig
+from gact_examples.levels import split_level
 from gact_examples.memory import live_tensor_peak
 from gact_examples.runs import publish
 from gact_examples.workloads import parse_models, workload
@@ -112,6 +125,95 @@ def train(
             compiled_kept=sorted(f"{s.key}: {s.keep}" for s in sites if s.keep is not None),
         )
     return record
+
+
+def _gradient(model: torch.nn.Module) -> torch.Tensor:
+    """The model's parameter gradients, flattened into one vector."""
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+def gradient_error(
+    name: str,
+    data: str,
+    level: str,
+    backend: str | None,
+    warmup: int,
+    samples: int,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """The relative squared error of GACT's gradient at ``level`` (``L2@L1``: L2 at L1's stored
+    bytes) against fp32's, both compiled with ``backend`` (``None``: eager), at the weights of
+    ``warmup`` eager fp32 steps from ``seed``'s, over ``samples`` steps on batch ``warmup``
+    without weight updates, with the same dropout masks."""
+    torch._dynamo.reset()
+    torch.manual_seed(seed)
+    work = workload(name, data)
+    for i in range(warmup):  # the same eager fp32 steps for every run of this seed
+        loss = work.loss(i)
+        work.optimizer.zero_grad()
+        loss.backward()
+        work.optimizer.step()
+    if backend is not None:
+        work.compile(backend)
+    state = copy.deepcopy(work.model.state_dict())  # BatchNorm statistics move in each step
+
+    def closure() -> torch.Tensor:
+        work.model.load_state_dict(state)
+        torch.manual_seed(seed)  # the same dropout masks in every sample and the reference
+        loss = work.loss(warmup)
+        work.optimizer.zero_grad()
+        loss.backward()
+        return loss
+
+    closure()
+    reference = _gradient(work.model).clone()
+    adaptive, uniform = split_level(level)
+    budget = None  # a matched level's: its uniform level's bytes (NOTE [Matched levels])
+    if uniform is not None:
+        with Controller(work.model, GactConfig.from_level(uniform, seed=seed)) as ctl:
+            ctl.iterate(closure)
+            budget = ctl.stats()["stored_bytes"]
+    options: dict[str, Any] = {} if budget is None else {"memory_budget": budget}
+    config = GactConfig.from_level(adaptive, seed=seed, adapt_budget=None, **options)
+    ctl = Controller(work.model, config)
+    errors, adapted, count = [], [], 0
+    with ctl:
+        for _ in range(samples):
+            ctl.iterate(closure)
+            g = _gradient(work.model)
+            errors.append(float((g - reference).square().sum() / reference.square().sum()))
+            adapted.append(ctl.stats()["adaptations"] > count)
+            count = ctl.stats()["adaptations"]
+    last = max((i for i, a in enumerate(adapted) if a), default=-1)
+    tail = errors[last + 1 :] or errors[-1:]
+    return {
+        "model": name,
+        "run": f"{backend or 'eager'} {level}",
+        "backend": backend,
+        "level": level,
+        "seed": seed,
+        "errors": errors,
+        "adapted_at": [i for i, a in enumerate(adapted) if a],
+        "error": statistics.fmean(tail),
+        "ratio": ctl.stats()["ratio"],
+    }
+
+
+def gradient_table(records: list[dict[str, Any]]) -> str:
+    lines = [
+        "| model | run | seed | relative squared error | vs eager | stored ratio | adapted at |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    eager = {(r["model"], r["level"], r["seed"]): r["error"] for r in records if not r["backend"]}
+    for r in records:
+        ref = eager.get((r["model"], r["level"], r["seed"]))
+        versus = "-" if ref is None or not ref else f"{r['error'] / ref:.2f}x"
+        adapted = ", ".join(map(str, r["adapted_at"])) or "-"
+        lines.append(
+            f"| {r['model']} | {r['run']} | {r['seed']} | {r['error']:.4g} | {versus} | "
+            f"{r['ratio']:.2f}x | {adapted} |"
+        )
+    return "\n".join(lines)
 
 
 def _tail_means(records: list[dict[str, Any]], tail: int) -> dict[tuple, float]:
@@ -197,6 +299,16 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--tail", type=int, default=20, help="steps averaged for the table's loss")
     p.add_argument("--seeds", default="0", help="comma-separated seeds (weights and rounding)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument(
+        "--gradient-error",
+        type=int,
+        default=0,
+        metavar="SAMPLES",
+        help="compare gradient errors at fixed weights instead of training",
+    )
+    p.add_argument(
+        "--warmup", type=int, default=20, help="eager fp32 steps before --gradient-error"
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     models = parse_models(args.models)
@@ -216,10 +328,22 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         for seed in seeds:
             for backend, level in runs:
                 compiled = None if backend == "eager" else backend
+                if args.gradient_error:
+                    if level == "fp32":
+                        raise ValueError("--gradient-error compares GACT levels with fp32: "
+                                         "leave fp32 out of --runs")  # fmt: skip
+                    records.append(gradient_error(name, args.data, level, compiled, args.warmup,
+                                                  args.gradient_error, seed))  # fmt: skip
+                    print(gradient_table(records[-1:]).splitlines()[-1], flush=True)
+                    continue
                 records.append(
                     train(name, args.data, level, compiled, args.steps, args.peak_step, seed)
                 )
                 print(table(records[-1:], args.tail).splitlines()[-1], flush=True)
+    if args.gradient_error:
+        publish(records, gradient_table, lambda rs, path: None, json_path=args.json,
+                plot_path=None)  # fmt: skip
+        return records
     for d in differences(records, args.tail):
         print(
             f"{d['model']} {d['run']} vs eager over {d['seeds']} seed(s): {d['mean']:+.2f}% "

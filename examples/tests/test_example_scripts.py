@@ -500,6 +500,31 @@ def test_compile_bench(data_root, tmp_path, script):
         bench.main(["--data", str(data_root), "--models", "mnist", "--runs", "L1"])
 
 
+def test_compile_bench_gradient_error(data_root, script):
+    """--gradient-error: per run, the relative squared error of GACT's gradient against the
+    same backend's fp32 gradient at fixed weights; the rounding streams advance from sample to
+    sample, and an adaptive level adapts on its schedule."""
+    bench = script("compile_bench.py")
+    argv = ["--data", str(data_root), "--models", "mnist", "--warmup", "1"]
+    runs = "eager:L1,aot_eager:L1,eager:L1.2,eager:L2,eager:L2@L1"
+    records = bench.main([*argv, "--gradient-error", "12", "--runs", runs])
+    l1, compiled, l12, l2, matched = records
+    for r in records:
+        assert len(r["errors"]) == 12 and len(set(r["errors"])) > 1  # other rounding each time
+        assert 0 < r["error"] < 1
+    assert l1["adapted_at"] == [] and l2["adapted_at"] == [10]  # its first measured adaptation
+    assert l2["error"] == pytest.approx(sum(l2["errors"][11:]) / 1)
+    assert l1["error"] == pytest.approx(sum(l1["errors"]) / 12)
+    assert l12["error"] > 4 * l1["error"]  # 2 bits: 16x the rounding variance of 4 bits
+    assert 0.5 < compiled["error"] / l1["error"] < 2  # the same 4 bits in a compiled graph
+    assert matched["ratio"] == pytest.approx(l1["ratio"], rel=0.02)  # L1's bytes, not L2's
+    assert matched["ratio"] < l2["ratio"]
+    rows = bench.gradient_table(records).splitlines()
+    assert rows[3].startswith("| mnist | aot_eager L1 | 0 |") and rows[3].count("x |") == 2
+    with pytest.raises(ValueError, match="leave fp32 out of --runs"):
+        bench.main([*argv, "--gradient-error", "2", "--runs", "eager:fp32"])
+
+
 def test_compile_bench_blocks(data_root, script):
     """BACKEND/blocks compiles each of the workload's blocks alone: their saves, inputs
     included (NOTE [Compiled saves] in gact/compiled.py), are compressed inside the graphs."""
