@@ -22,8 +22,9 @@ whether compiling changes what GACT's rounding does to the gradient. The model t
 ``--warmup`` steps in eager fp32; from those weights, per compiled or eager run of a GACT level,
 ``SAMPLES`` steps compute the gradient of one batch without updating the weights (the rounding
 streams advance, dropout masks stay, an adaptive level adapts on its schedule without a time
-budget; ``L2@L1`` runs L2 at L1's stored bytes), and each is compared with the fp32 gradient of
-the same backend: the relative squared error
+budget; ``L2@L1`` runs L2 at L1's stored bytes, ``--memory-budget`` every adaptive level at
+those bytes, as it does in training runs), and each is compared with the fp32 gradient of the same backend: the relative
+squared error
 ``|g - g_fp32|^2 / |g_fp32|^2``, averaged from the step after the last adaptation on.
 
     python examples/compile_bench.py --data ../shared/data --models gpt2,resnet18 --steps 200
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import math
 import statistics
 import time
@@ -63,16 +65,20 @@ def train(
     steps: int,
     peak_step: int,
     seed: int = 0,
+    memory_budget: int | None = None,
 ) -> dict[str, Any]:
     """One run: ``steps`` steps of model ``name`` at ``level`` (``fp32``: no GACT), compiled
     with ``backend`` (``None``: eager; ``BACKEND/blocks``: each of the workload's blocks
-    alone), from the weights and rounding streams of ``seed``."""
+    alone), from the weights and rounding streams of ``seed``; an adaptive level at
+    ``memory_budget`` bytes if given."""
     torch._dynamo.reset()
     torch.manual_seed(seed)
     work = workload(name, data)
     if backend is not None:
         work.compile(backend)
     config = None if level == "fp32" else GactConfig.from_level(level, seed=seed)
+    if config is not None and config.spec.adaptive and memory_budget is not None:
+        config = dataclasses.replace(config, memory_budget=memory_budget)
     ctl = None if config is None else Controller(work.model, config)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     losses, times, peak = [], [], None
@@ -140,11 +146,13 @@ def gradient_error(
     warmup: int,
     samples: int,
     seed: int = 0,
+    memory_budget: int | None = None,
 ) -> dict[str, Any]:
     """The relative squared error of GACT's gradient at ``level`` (``L2@L1``: L2 at L1's stored
-    bytes) against fp32's, both compiled with ``backend`` (``None``: eager), at the weights of
-    ``warmup`` eager fp32 steps from ``seed``'s, over ``samples`` steps on batch ``warmup``
-    without weight updates, with the same dropout masks."""
+    bytes; an adaptive level at ``memory_budget`` bytes if given) against fp32's, both compiled
+    with ``backend`` (``None``: eager), at the weights of ``warmup`` eager fp32 steps from
+    ``seed``'s, over ``samples`` steps on batch ``warmup`` without weight updates, with the
+    same dropout masks."""
     torch._dynamo.reset()
     torch.manual_seed(seed)
     work = workload(name, data)
@@ -168,7 +176,8 @@ def gradient_error(
     closure()
     reference = _gradient(work.model).clone()
     adaptive, uniform = split_level(level)
-    budget = None  # a matched level's: its uniform level's bytes (NOTE [Matched levels])
+    # a matched level's: its uniform level's bytes (NOTE [Matched levels])
+    budget = memory_budget if GactConfig.from_level(adaptive).spec.adaptive else None
     if uniform is not None:
         with Controller(work.model, GactConfig.from_level(uniform, seed=seed)) as ctl:
             ctl.iterate(closure)
@@ -196,6 +205,7 @@ def gradient_error(
         "adapted_at": [i for i, a in enumerate(adapted) if a],
         "error": statistics.fmean(tail),
         "ratio": ctl.stats()["ratio"],
+        "stored_bytes": ctl.stats()["stored_bytes"],
     }
 
 
@@ -309,6 +319,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument(
         "--warmup", type=int, default=20, help="eager fp32 steps before --gradient-error"
     )
+    p.add_argument("--memory-budget", type=int, default=None,
+                   help="bytes for the adaptive levels (default: their levels' budgets)")  # fmt: skip
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     models = parse_models(args.models)
@@ -333,12 +345,13 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                         raise ValueError("--gradient-error compares GACT levels with fp32: "
                                          "leave fp32 out of --runs")  # fmt: skip
                     records.append(gradient_error(name, args.data, level, compiled, args.warmup,
-                                                  args.gradient_error, seed))  # fmt: skip
+                                                  args.gradient_error, seed, args.memory_budget))  # fmt: skip
                     print(gradient_table(records[-1:]).splitlines()[-1], flush=True)
                     continue
                 records.append(
-                    train(name, args.data, level, compiled, args.steps, args.peak_step, seed)
-                )
+                    train(name, args.data, level, compiled, args.steps, args.peak_step, seed,
+                          args.memory_budget)
+                )  # fmt: skip
                 print(table(records[-1:], args.tail).splitlines()[-1], flush=True)
     if args.gradient_error:
         publish(records, gradient_table, lambda rs, path: None, json_path=args.json,

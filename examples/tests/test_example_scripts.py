@@ -519,6 +519,9 @@ def test_compile_bench_gradient_error(data_root, script):
     assert 0.5 < compiled["error"] / l1["error"] < 2  # the same 4 bits in a compiled graph
     assert matched["ratio"] == pytest.approx(l1["ratio"], rel=0.02)  # L1's bytes, not L2's
     assert matched["ratio"] < l2["ratio"]
+    budget = ["--memory-budget", str(l1["stored_bytes"])]  # the adaptive levels at those bytes
+    (given,) = bench.main([*argv, "--gradient-error", "2", "--runs", "eager:L2", *budget])
+    assert given["stored_bytes"] == pytest.approx(l1["stored_bytes"], rel=0.02)
     rows = bench.gradient_table(records).splitlines()
     assert rows[3].startswith("| mnist | aot_eager L1 | 0 |") and rows[3].count("x |") == 2
     with pytest.raises(ValueError, match="leave fp32 out of --runs"):

@@ -20,8 +20,9 @@ from .config import GactConfig, get_config
 from .errors import ClosureError, GactWarning, HookStateError
 from .ledger import Ledger
 from .measured import SensitivityMeter
+from .measured_compiled import measure_eagerly
 from .params import ParameterFilter
-from .plan import BitPlan
+from .plan import BitPlan, mix_seed
 from .saved import SaveHooks, installed_hooks
 from .scope import ScopeTracker
 from .swap import Swapper
@@ -409,6 +410,7 @@ class Controller:
                 self.ledger.discard()
                 raise
         try:
+            self._measure_compiled(closure)
             adapting = self._adapting()
             if adapting is not None:
                 meter = self._disarm()
@@ -524,6 +526,22 @@ class Controller:
             trained_seconds=self._trained_seconds(),
             cost_seconds=adapter.last_held_seconds,
         )
+
+    def _measure_compiled(self, closure: Callable[[], Any]) -> None:
+        """Measure the compiled graphs' saves of a measuring step on an eager run of its
+        closure (NOTE [Measured compiled saves] in measured_compiled.py). Under
+        torch.distributed every rank runs it or none (its backward may all-reduce): rank 0's
+        meter decides, on steps whose schedule is every rank's."""
+        if not (self.hooks.compiled_graphs and self._scheduled()):
+            return
+        meter = self.hooks.meter
+        if not rank_zeros(meter is not None and bool(meter.fingerprints)):
+            return
+        measure_eagerly(
+            meter or SensitivityMeter(batch_norms=self.adapter.batch_norms), closure,
+            model=self.model, plan=self.plan, hooks=self.hooks, tracker=self.tracker,
+            run_closure=self.run_closure, seed=mix_seed(self.config.seed, self.plan.step, 0xEA6E),
+        )  # fmt: skip
 
     def _disarm(self) -> SensitivityMeter | None:
         """Stop the open step's meter; returns it (``None`` if none ran)."""

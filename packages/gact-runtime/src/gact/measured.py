@@ -13,6 +13,7 @@ import torch
 
 from . import decisions, rotation
 from .decisions import BatchNormUse, DecisionSpec, LinearUse
+from .measured_compiled import Fingerprint, fingerprint
 from .measured_norms import Normalised, Producer
 from .measured_pointwise import Curved, Rows
 
@@ -95,14 +96,20 @@ class SensitivityMeter:
         (['<root>#0:float32:2d'], True)
     """
 
-    def __init__(self, *, batch_norms: bool = True) -> None:
-        self._batch_norms = batch_norms
+    def __init__(self, *, batch_norms: bool = True, fingerprints: bool = False) -> None:
+        self.batch_norms = batch_norms
         self._terms: dict[str, list[torch.Tensor]] = {}
         self._waiting: dict[int, _Measurement] = {}  # measurements whose backward has not run
         self.seen: set[str] = set()  # keys saved while the meter ran
         self.probed: set[str] = set()  # ... among them, read some way the meter cannot measure
         self.seconds = 0.0
         self._producers: tuple[Producer | Rows, ...] = ()  # of the last measured call
+        # NOTE [Measured compiled saves] in measured_compiled.py: the saves' fingerprints by
+        # key (of compiled graphs' saves, and of every observed save if ``fingerprints``), and
+        # the sensitivities compiled keys took from an eager run's measurement
+        self._fingerprinting = fingerprints
+        self.fingerprints: dict[str, list[Fingerprint]] = {}
+        self._adopted: dict[str, float] = {}
 
     def start(self) -> None:
         """Make linear calls publish their use (``decisions.measuring``) until ``stop()`` or
@@ -150,6 +157,20 @@ class SensitivityMeter:
         measurable."""
         self._observe(key, tensor, spec, lambda: trial(tensor), trial)
 
+    def compiled(self, key: str, tensor: torch.Tensor) -> None:
+        """A compiled graph saved ``tensor`` at ``key``: not measurable here, but fingerprinted
+        for ``adopt`` (NOTE [Measured compiled saves] in measured_compiled.py)."""
+        start = time.perf_counter()
+        self.seen.add(key)
+        self.probed.add(key)
+        self.fingerprints.setdefault(key, []).append(fingerprint(tensor))
+        self.seconds += time.perf_counter() - start
+
+    def adopt(self, sensitivities: dict[str, float]) -> None:
+        """Take these sensitivities of compiled keys, measured on an eager run of the step."""
+        self._adopted.update(sensitivities)
+        self.probed.difference_update(sensitivities)
+
     def _observe(
         self,
         key: str,
@@ -161,6 +182,8 @@ class SensitivityMeter:
     ) -> None:
         start = time.perf_counter()
         self.seen.add(key)
+        if self._fingerprinting:
+            self.fingerprints.setdefault(key, []).append(fingerprint(tensor))
         measurable = True
         if spec is not None and spec.derivative is not None and id(tensor) == spec.derivative_id:
             measurement = _Measurement.curved(self, key, tensor, spec.derivative, trial)
@@ -190,7 +213,7 @@ class SensitivityMeter:
         SiLU (NOTE [Measured pointwise inputs]) reading ``out`` next needs of them."""
         if any(p.output() is out for p in self._producers):
             return
-        found = (Producer.of(out, source, use) if self._batch_norms else None,)
+        found = (Producer.of(out, source, use) if self.batch_norms else None,)
         self._producers = tuple(p for p in (*found, Rows.of(out, source, use)) if p is not None)
 
     def producer_of(self, x: torch.Tensor, kind: type[_P]) -> _P | None:
@@ -207,7 +230,8 @@ class SensitivityMeter:
         start = time.perf_counter()
         unfinished = {m.key for m in self._waiting.values()}
         keys = sorted(self.seen - self.probed - unfinished)
-        out = {key: 0.0 for key in keys}  # read only through exact decisions: no noise
+        # read only through exact decisions (no noise), or measured on an eager run
+        out = {key: self._adopted.get(key, 0.0) for key in keys}
         by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
         for key in keys:
             for term in self._terms.get(key, ()):

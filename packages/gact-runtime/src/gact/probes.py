@@ -217,12 +217,17 @@ class ProbeSession:
 
     def grad(self, bits: np.ndarray, seeds: np.ndarray) -> np.ndarray:
         """One probe: the sketch of the gradient with these bits and seeds per item."""
+        self.run(bits, seeds)
+        return self.sketch()
+
+    def run(self, bits: np.ndarray, seeds: np.ndarray) -> None:
+        """One probe whose gradient is not read (its meter's measurements are)."""
         self._plan.probe = ProbeOverride(self._index, bits, seeds, self._fallback)
         self._guard.reset_rng()
         self._guard.clear_grads()
         self._hooks.ledger = Ledger()
         self.runs += 1
-        meter = self.meter
+        meter, outer = self.meter, self._hooks.meter  # the step's own, if it measures
         if meter is not None:
             self._hooks.meter = meter
             meter.start()
@@ -232,8 +237,7 @@ class ProbeSession:
             self._plan.probe = None
             if meter is not None:
                 meter.stop()
-                self._hooks.meter = None
-        return self.sketch()
+                self._hooks.meter = outer
 
     def __exit__(self, *exc: object) -> None:
         self._hooks.ledger = self._ledger

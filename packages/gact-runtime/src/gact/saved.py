@@ -767,6 +767,12 @@ class SaveHooks:
                         assert hit.decision is not None
                         hit.decision.consumers.add(compiled.COMPILED_NODE)
                 return hit
+        if (
+            self.meter is not None
+            and tensor.is_floating_point()
+            and (kind is None or self.plan.bits.get(key, 0) > 8)
+        ):
+            self.meter.compiled(key, tensor)  # NOTE [Measured compiled saves]
         if kind is not None:
             self._record_kept(key, tensor, kind)
             # the compiled code reuses the buffer once its save is packed: hold a copy

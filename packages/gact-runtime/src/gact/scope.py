@@ -190,6 +190,9 @@ class ScopeTracker:
         self._generation = 0  # bumped at every root forward
         # a call of the module torch.compile(model) returned is running (NOTE [Compiled forwards])
         self._in_compiled_module = False
+        # the model's compiled code runs eagerly, to be measured (NOTE [Measured compiled saves]
+        # in measured_compiled.py): its forwards are eager code's
+        self.forced_eager = False
 
     def _stack(self) -> list[Frame]:
         local = self._local
@@ -264,6 +267,7 @@ class ScopeTracker:
         self, module: nn.Module, label: str, args: object = (), compiled: bool = False
     ) -> None:
         stack = self._stack()
+        compiled = compiled and not self.forced_eager
         if len(stack) == 1:  # entering the model (its root, or a submodule called alone)
             self._local.entered = next(_ticks)
             self._local.compiled = compiled
