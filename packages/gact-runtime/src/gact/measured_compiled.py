@@ -44,8 +44,10 @@ __all__ = ["Fingerprint", "fingerprint", "match", "measure_eagerly"]
 # others fit too, stays with the probes. Where the same values are read the same way, eager
 # code's measurement is what rounding them adds to the gradient in the compiled backward, which
 # computes the same products (measured at the level's width, where an eager model's first
-# measurement reads its prior allocation's widths). Dynamo is never entered for the eager run, so nothing
-# recompiles; the run costs about an eager step, counted as adaptation time.
+# measurement reads its prior allocation's widths). A mismatch only costs probes: values that
+# differ by more than ``RTOL`` (half-precision saves whose fused computation rounds otherwise)
+# fit nothing. Dynamo is never entered for the eager run, so nothing recompiles; the run costs
+# about an eager step, counted as adaptation time.
 
 #: relative tolerance of a fingerprint's sum (against the norm times the square root of the
 #: element count) and norm: eager and compiled code sum in other orders
@@ -77,6 +79,7 @@ def fingerprint(tensor: torch.Tensor) -> Fingerprint:
 
 
 def _distinct(prints: list[tuple[int, torch.dtype, float, float]]) -> list[tuple]:
+    """``prints`` without repeats (a tensor saved again at its key)."""
     out: list[tuple] = []
     for p in prints:
         if not any(_close(p, q) for q in out):
