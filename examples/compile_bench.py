@@ -23,9 +23,9 @@ whether compiling changes what GACT's rounding does to the gradient. The model t
 ``SAMPLES`` steps compute the gradient of one batch without updating the weights (the rounding
 streams advance, dropout masks stay, an adaptive level adapts on its schedule without a time
 budget; ``L2@L1`` runs L2 at L1's stored bytes, ``--memory-budget`` every adaptive level at
-those bytes, as it does in training runs), and each is compared with the fp32 gradient of the same backend: the relative
-squared error
-``|g - g_fp32|^2 / |g_fp32|^2``, averaged from the step after the last adaptation on.
+those bytes, as it does in training runs), and each is compared with the fp32 gradient of the
+same backend: the relative squared error ``|g - g_fp32|^2 / |g_fp32|^2``, averaged from the
+step after the last adaptation on.
 
     python examples/compile_bench.py --data ../shared/data --models gpt2,resnet18 --steps 200
     python examples/compile_bench.py --data ../shared/data --models resnet18 --steps 200 \
@@ -176,14 +176,14 @@ def gradient_error(
     closure()
     reference = _gradient(work.model).clone()
     adaptive, uniform = split_level(level)
-    # a matched level's: its uniform level's bytes (NOTE [Matched levels])
-    budget = memory_budget if GactConfig.from_level(adaptive).spec.adaptive else None
-    if uniform is not None:
+    config = GactConfig.from_level(adaptive, seed=seed, adapt_budget=None)
+    budget = memory_budget if config.spec.adaptive else None
+    if uniform is not None:  # a matched level's: its uniform level's bytes (NOTE [Matched levels])
         with Controller(work.model, GactConfig.from_level(uniform, seed=seed)) as ctl:
             ctl.iterate(closure)
             budget = ctl.stats()["stored_bytes"]
-    options: dict[str, Any] = {} if budget is None else {"memory_budget": budget}
-    config = GactConfig.from_level(adaptive, seed=seed, adapt_budget=None, **options)
+    if budget is not None:
+        config = dataclasses.replace(config, memory_budget=budget)
     ctl = Controller(work.model, config)
     errors, adapted, count = [], [], 0
     with ctl:
