@@ -537,8 +537,10 @@ class Controller:
         meter = self.hooks.meter
         if not rank_zeros(meter is not None and bool(meter.fingerprints)):
             return
+        batch_norms = self.adapter.batch_norms
         measure_eagerly(
-            meter or SensitivityMeter(batch_norms=self.adapter.batch_norms), closure,
+            meter or SensitivityMeter(batch_norms=batch_norms),
+            SensitivityMeter(batch_norms=batch_norms, fingerprints=True), closure,
             model=self.model, plan=self.plan, hooks=self.hooks, tracker=self.tracker,
             run_closure=self.run_closure, seed=mix_seed(self.config.seed, self.plan.step, 0xEA6E),
         )  # fmt: skip

@@ -97,7 +97,7 @@ class SensitivityMeter:
     """
 
     def __init__(self, *, batch_norms: bool = True, fingerprints: bool = False) -> None:
-        self.batch_norms = batch_norms
+        self._batch_norms = batch_norms
         self._terms: dict[str, list[torch.Tensor]] = {}
         self._waiting: dict[int, _Measurement] = {}  # measurements whose backward has not run
         self.seen: set[str] = set()  # keys saved while the meter ran
@@ -213,7 +213,7 @@ class SensitivityMeter:
         SiLU (NOTE [Measured pointwise inputs]) reading ``out`` next needs of them."""
         if any(p.output() is out for p in self._producers):
             return
-        found = (Producer.of(out, source, use) if self.batch_norms else None,)
+        found = (Producer.of(out, source, use) if self._batch_norms else None,)
         self._producers = tuple(p for p in (*found, Rows.of(out, source, use)) if p is not None)
 
     def producer_of(self, x: torch.Tensor, kind: type[_P]) -> _P | None:

@@ -96,19 +96,17 @@ def _close(a: tuple, b: tuple) -> bool:
 
 
 def _host(prints: dict[str, list[Fingerprint]]) -> dict[str, list[tuple]]:
-    """The fingerprints with their moments read to the host (one copy per device)."""
-    flat = [(k, p) for k, ps in prints.items() for p in ps]
-    values: list[list[float]] = [[]] * len(flat)
-    by_device: dict[torch.device, list[int]] = {}
-    for i, (_, p) in enumerate(flat):
-        by_device.setdefault(p.moments.device, []).append(i)
-    for indices in by_device.values():
-        moments = torch.stack([flat[i][1].moments for i in indices]).cpu().tolist()
-        for i, m in zip(indices, moments):
-            values[i] = m
+    """The distinct fingerprints per key, their moments read to the host (one copy per
+    device)."""
+    by_device: dict[torch.device, list[tuple[str, Fingerprint]]] = {}
+    for key, ps in prints.items():
+        for p in ps:
+            by_device.setdefault(p.moments.device, []).append((key, p))
     out: dict[str, list[tuple]] = {}
-    for (key, p), (total, norm) in zip(flat, values):
-        out.setdefault(key, []).append((p.numel, p.dtype, total, norm))
+    for items in by_device.values():
+        moments = torch.stack([p.moments for _, p in items]).cpu().tolist()
+        for (key, p), (total, norm) in zip(items, moments):
+            out.setdefault(key, []).append((p.numel, p.dtype, total, norm))
     return {k: _distinct(v) for k, v in out.items()}
 
 
@@ -132,6 +130,7 @@ def match(
 
 def measure_eagerly(
     meter: SensitivityMeter,
+    eager: SensitivityMeter,
     closure: Callable[[], Any],
     *,
     model: nn.Module,
@@ -142,11 +141,9 @@ def measure_eagerly(
     seed: int,
 ) -> None:
     """Measure the compiled saves ``meter`` saw in the step that ``closure`` ran, on one more
-    run of it in eager code (NOTE [Measured compiled saves]); the time is ``meter``'s."""
-    from .measured import SensitivityMeter
-
+    run of it in eager code with ``eager`` (a fingerprinting meter) attached (NOTE [Measured
+    compiled saves]); the time is ``meter``'s."""
     start = time.perf_counter()
-    eager = SensitivityMeter(batch_norms=meter.batch_norms, fingerprints=True)
     session = ProbeSession(model, plan, hooks, closure, run_closure, [], seed=seed, meter=eager)
     with session, _eager(tracker):
         session.run(np.zeros(0, np.int64), np.zeros(0, np.uint64))
