@@ -151,8 +151,8 @@ def test_probes_store_each_key_at_the_width_they_set(monkeypatch: pytest.MonkeyP
     stored: list[tuple[int, int]] = []  # (width stored, width the probe set) per probed save
     compress = SaveHooks._compress
 
-    def spy(self, key, tensor, compact, spec):  # type: ignore[no-untyped-def]
-        saved = compress(self, key, tensor, compact, spec)
+    def spy(self, key, tensor, compact, spec, **kwargs):  # type: ignore[no-untyped-def]
+        saved = compress(self, key, tensor, compact, spec, **kwargs)
         known = getattr(saved, "known", None)
         if self.plan.probes(key) and isinstance(known, gact_kernels.QuantizedTensor):
             zero_exact = spec is not None and spec.zero_exact

@@ -833,8 +833,9 @@ def test_inductor_saves_relu_outputs_instead_of_recomputing_them() -> None:
     """NOTE [Saved outputs]: inductor recomputed the stem's ReLU (after a BatchNorm,
     before a max-pool) from the convolution's output, which then had to be kept as it is (a
     recomputed decision reads it): 2.0x less stored than fp32, against 6.8x eagerly. While GACT
-    is installed its ReLUs are saved: nothing is kept for a decision, and the ratio is eager
-    code's within 10% (6.3x). The setting is GACT's only while it is installed, and a pass of
+    is installed its ReLUs are saved: nothing is kept for a decision, and the compiled graphs
+    store at most 10% more bytes than eager code (fewer: the ReLU's decision a mask in both;
+    the ratios differ, the compiled graphs saving fewer tensors). The setting is GACT's only while it is installed, and a pass of
     the user's own is left alone."""
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -844,7 +845,7 @@ def test_inductor_saves_relu_outputs_instead_of_recomputing_them() -> None:
         nn.Flatten(), nn.Linear(16 * 8 * 8, 10),
     )  # fmt: skip
     x, y = torch.randn(8, 3, 32, 32), torch.arange(8)
-    ratios = {}
+    stored = {}
     for compile_ in (False, True):
         run = torch.compile(model, backend="inductor") if compile_ else model
         with Controller(model, GactConfig.from_level("L1")) as controller:
@@ -855,11 +856,11 @@ def test_inductor_saves_relu_outputs_instead_of_recomputing_them() -> None:
                 torch._inductor.config.joint_custom_pre_pass, compiled_sites.SaveOutputs
             )
         assert torch._inductor.config.joint_custom_pre_pass is None
-        ratios[compile_] = controller.stats()["ratio"]
+        stored[compile_] = controller.stats()["stored_bytes"]
         if compile_:
             reasons = [s.keep or "" for s in controller.hooks.compiled_sites.values()]
             assert not any("recomputed decision" in r for r in reasons), reasons
-    assert ratios[True] > 0.9 * ratios[False]
+    assert stored[True] <= 1.1 * stored[False], stored
     mine = compiled_sites.SaveOutputs()  # any pass the user installed
     torch._inductor.config.joint_custom_pre_pass = mine
     try:
@@ -1212,18 +1213,19 @@ def test_inductor_saves_what_a_relu6_after_batchnorm_decides_on() -> None:
     ``clamp_max``) in the backward from the convolution's output, whose decisions then had to
     keep it (MobileNetV2 under inductor stored 2.07x less than fp32, eager code 4.37x). With a
     clamp's input saved, the backward's decision mask is saved instead, exactly, and nothing
-    is kept."""
+    is kept: the compiled graph stores at most 10% more bytes than eager code (fewer: one
+    mask where eager code stores one per comparison)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 16, 3), nn.BatchNorm2d(16), nn.ReLU6(), nn.Conv2d(16, 8, 3))
     x = torch.randn(8, 3, 16, 16)
-    ratios = {}
+    stored = {}
     for compile_ in (False, True):
         torch._dynamo.reset()
         run = torch.compile(model, backend="inductor") if compile_ else model
         with Controller(run, GactConfig.from_level("L1")) as controller:
             run(x).sum().backward()
             controller.step()
-        ratios[compile_] = controller.stats()["ratio"]
+        stored[compile_] = controller.stats()["stored_bytes"]
     reasons = [s.keep or "" for s in controller.hooks.compiled_sites.values()]
     assert not any("decision" in r for r in reasons), reasons
-    assert ratios[True] > 0.9 * ratios[False], ratios
+    assert stored[True] <= 1.1 * stored[False], stored

@@ -48,22 +48,31 @@ RELU_OUTPUTS = {"F.relu", "torch.relu", "Tensor.relu", "relu_", "nn.ReLU(inplace
 
 
 class Head(nn.Module):
-    def __init__(self, act: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype) -> None:
+    """``act`` of a linear layer's output ``h``; with ``reads``, ``h`` and ``act(h)`` are also
+    saved for their values (by products whose gradient is 0), so whichever of them ``act``
+    saves is quantized, its decisions kept exact by masks (NOTE [Exact decisions]), not stored
+    as its decisions alone (NOTE [Decision-only saves] in saved.py)."""
+
+    def __init__(
+        self, act: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype, reads: bool = False
+    ) -> None:
         super().__init__()
         self.lin = nn.Linear(16, 256, dtype=dtype)
-        self.act = act
+        self.act, self.reads = act, reads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.act(self.lin(x))
+        h = self.lin(x)
+        y = self.act(h)
+        return y + 0.0 * (h * h + y * y) if self.reads else y
 
 
 def _head_run(
-    act: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype
+    act: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype, reads: bool = False
 ) -> tuple[Head, Callable[[], None], torch.Tensor]:
     """``Head(act)``, a closure whose bias gradient is the batch sum of ``c * act'(h)`` (no
     value of ``h`` enters it), and that gradient in fp32 without GACT."""
     torch.manual_seed(0)
-    model = Head(act, dtype)
+    model = Head(act, dtype, reads)
     x = torch.randn(64, 16, dtype=dtype)
     c = torch.randn(64, 256, dtype=dtype)
 
@@ -75,19 +84,21 @@ def _head_run(
     return model, closure, model.lin.bias.grad.clone()
 
 
+@pytest.mark.parametrize("reads", [False, True], ids=["alone", "values read too"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", list(PURE_DECISIONS))
-def test_decisions_are_exact(name: str, dtype: torch.dtype) -> None:
-    model, closure, exact = _head_run(PURE_DECISIONS[name], dtype)
+def test_decisions_are_exact(name: str, dtype: torch.dtype, reads: bool) -> None:
+    model, closure, exact = _head_run(PURE_DECISIONS[name], dtype, reads)
     with Controller(model, GactConfig.from_level("L1.2", min_numel=0)) as controller:
         controller.iterate(closure)
     stats = controller.stats()
     assert stats["compressed_tensors"] > 0
-    if name in RELU_OUTPUTS:
-        assert stats["decision_mask_bytes"] == 0
-        assert any(r.zero_exact for r in controller.ledger.last.values()), name
-    else:
-        assert stats["decision_mask_bytes"] > 0
+    if reads:  # quantized: ReLU's output on the zero-exact grid, the others with masks
+        if name in RELU_OUTPUTS:
+            assert stats["decision_mask_bytes"] == 0
+            assert any(r.zero_exact for r in controller.ledger.last.values()), name
+        else:
+            assert stats["decision_mask_bytes"] > 0
     # the bias gradient is the sum over the batch of c * f'(h): no value of h enters it
     assert torch.equal(model.lin.bias.grad, exact), name
 
@@ -169,13 +180,15 @@ def test_a_relu_output_at_1_bit_takes_2_zero_exact_bits_instead_of_a_mask(
     """Before the first allocation L2.2 stores tensors at 1 bit; a ReLU output then gets the
     2-bit zero-exact grid, which costs what 1 bit plus a 1-bit mask would, with a quarter of
     the variance, and keeps ``y > 0`` exact."""
-    model, closure, exact = _head_run(F.relu, dtype)
+    model, closure, exact = _head_run(F.relu, dtype, reads=True)
     controller = Controller(model, GactConfig.from_level("L2.2", min_numel=0))
     saved = record_saves(controller, monkeypatch)
     with controller:
         controller.iterate(closure)  # the first step: 1 bit for everything
     assert torch.equal(model.lin.bias.grad, exact)
-    (relu,) = [s for s in saved if isinstance(s, SavedCompressed) and s.payload.zero_exact]
+    (relu,) = {  # the ReLU's save, shared by the product's two
+        id(s): s for s in saved if isinstance(s, SavedCompressed) and s.payload.zero_exact
+    }.values()
     assert relu.payload.bits == 2 and relu.decision.masks == []  # ReluBackward: a consumer
     (rec,) = [r for r in controller.ledger.last.values() if r.zero_exact]
     assert (rec.bits, rec.mask_bits, rec.mask_bytes) == (2, 0, 0)

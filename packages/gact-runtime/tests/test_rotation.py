@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from gact import Controller, GactConfig, rotation
-from gact.saved import SavedCompressed
+from gact.saved import SavedCompressed, SavedDecisions
 from runtime_helpers import measured_step, record_saves, requires_cuda
 from torch import nn
 from torch.nn import functional as F
@@ -72,7 +72,8 @@ def test_only_the_heavy_tailed_save_rotates(monkeypatch: pytest.MonkeyPatch) -> 
     with Controller(model, GactConfig.from_level("L1", min_numel=0)) as controller:
         saves = record_saves(controller, monkeypatch)
         out = model(x)
-        compressed = [s for s in saves if isinstance(s, SavedCompressed)]
+        turned = [s.stored if isinstance(s, SavedDecisions) else s for s in saves]  # the ReLU's
+        compressed = [s for s in turned if isinstance(s, SavedCompressed)]
         rotated = [tuple(s.known.shape) for s in compressed if s.rotated is not None]
         assert rotated == [(512, 128)]  # the down projection's input (as F.linear saves it), not x
         out.backward(grad_out)
@@ -171,7 +172,8 @@ def test_rotation_is_off_where_groups_follow_rows_channels_or_zeros(
         with Controller(whole, cfg) as controller:
             saves = record_saves(controller, monkeypatch)
             whole(x).sum().backward()
-        compressed = [s for s in saves if isinstance(s, SavedCompressed)]
+        turned = [s.stored if isinstance(s, SavedDecisions) else s for s in saves]  # the ReLU's
+        compressed = [s for s in turned if isinstance(s, SavedCompressed)]
         assert len(compressed) >= 4
         assert all(s.rotated is None for s in compressed)
 

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+import torch.nn.functional as F
 from gact import Controller, GactConfig
 from gact.ledger import Kind
 from torch import nn
@@ -162,3 +163,88 @@ def test_level_l0_stores_the_source_as_pytorch_would() -> None:
     records = [r for r in controller.ledger.last.values() if r.shape == (64, 32)]
     assert [r.kind for r in records] == [Kind.KEPT]
     assert records[0].stored_bytes == records[0].original_bytes > 0
+
+
+# every pooling whose backward reads its input only for its shape: max pooling scatters the
+# gradient through the indices it saved, average pooling spreads it over the window
+POOLS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "max 2d": lambda x: F.max_pool2d(x, 3, 2, 1),
+    "max 2d channels_last": lambda x: F.max_pool2d(
+        x.contiguous(memory_format=torch.channels_last), 2
+    ),
+    "max 2d with indices": lambda x: F.max_pool2d(x, 2, return_indices=True)[0],
+    "max 1d": lambda x: F.max_pool1d(x.flatten(2), 3),
+    "max 3d": lambda x: F.max_pool3d(x.unsqueeze(2).expand(-1, -1, 4, -1, -1), 2),
+    "adaptive max 2d": lambda x: F.adaptive_max_pool2d(x, 3),
+    "adaptive max 1d": lambda x: F.adaptive_max_pool1d(x.flatten(2), 5),
+    "avg 2d": lambda x: F.avg_pool2d(x, 3, 2, 1),
+    "avg 2d channels_last": lambda x: F.avg_pool2d(
+        x.contiguous(memory_format=torch.channels_last), 2
+    ),
+    "avg 1d": lambda x: F.avg_pool1d(x.flatten(2), 3),
+    "avg 3d": lambda x: F.avg_pool3d(x.unsqueeze(2).expand(-1, -1, 4, -1, -1), 2),
+    "adaptive avg 2d": lambda x: F.adaptive_avg_pool2d(x, 3),
+    "adaptive avg 1d": lambda x: F.adaptive_avg_pool1d(x.flatten(2), 5),
+    "adaptive avg 3d": lambda x: F.adaptive_avg_pool3d(x.unsqueeze(2), (1, 2, 3)),
+}
+
+
+@pytest.mark.parametrize("pool", sorted(POOLS))
+def test_pooling_reads_its_input_only_for_its_shape(pool: str) -> None:
+    """The premise of storing a pooling's input as its shape: with NaNs in place of every
+    floating-point tensor its backward saved, the input's gradient is exact, bit for bit."""
+    fn = POOLS[pool]
+    x = torch.randn(2, 3, 9, 9, requires_grad=True)
+    g = torch.randn_like(fn(x))
+    (exact,) = torch.autograd.grad(fn(x), x, g)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(t, math.nan) if t.is_floating_point() else t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = fn(x * 1.0)  # a non-leaf input, saved through the hook
+    (grad,) = torch.autograd.grad(y, x, g)
+    assert torch.equal(grad, exact)
+
+
+class Pooled(nn.Module):
+    """A pooling of a linear map's output: the pooling's save is the only one of that
+    output, and the gradients upstream of it meet no rounding."""
+
+    def __init__(self, pool: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.conv, self.pool = nn.Conv2d(3, 3, 1), pool
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pool(self.conv(x))
+
+
+@pytest.mark.parametrize("pool", sorted(POOLS))
+def test_a_pooling_input_is_stored_as_its_shape(pool: str) -> None:
+    """The pooled tensor is stored as its shape alone, and the gradients of the layer below
+    (whose own save, its input, is the model's input: compressed, but read only for the
+    weight) are fp32's bit for bit where no rounding reaches them: the input's and the
+    bias's."""
+    torch.manual_seed(0)
+    model = Pooled(POOLS[pool])
+    x, c = torch.randn(4, 3, 9, 9), None
+    grads = []
+    for level in (None, "L1"):
+        model.zero_grad()
+        xs = x.clone().requires_grad_()
+        if level is None:
+            out = model(xs)
+            c = torch.randn_like(out)
+            (out * c).sum().backward()
+        else:
+            with Controller(model, GactConfig.from_level(level, min_numel=0)) as controller:
+                (model(xs) * c).sum().backward()
+                controller.step()
+        grads.append((xs.grad, model.conv.bias.grad.clone()))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+    pooled = [  # the conv's own save (its input) is the first; then the pooling's
+        r
+        for r in controller.ledger.last.values()
+        if r.key.startswith("<root>#") and r.dtype.is_floating_point
+    ]
+    assert [(r.kind, r.stored_bytes) for r in pooled] == [(Kind.SHAPE, 0)], controller.report()

@@ -265,6 +265,9 @@ class CompiledSite:
         keep: why it is kept as it is, or ``None`` if it is compressed.
         predicates: ``(strict, t)`` comparisons its backward makes (see ``DecisionSpec``).
         zero_exact: a ReLU output read by ``x > 0``: stored on the zero-exact grid.
+        decisions_only: its backward reads it only through ``predicates`` (or ``x > 0``
+            where ``zero_exact``) and for its shape: stored as their outcomes alone where no
+            other save reads it (NOTE [Decision-only saves] in saved.py).
         min_bits: its smallest width (fused attention's q and k).
         row_length: LayerNorm rows: groups never span two rows of this many elements (0: none).
         batch_norm_input: normalised by its batch's statistics per channel (NOTE [Small maps] in
@@ -290,6 +293,7 @@ class CompiledSite:
     keep: str | None
     predicates: tuple[tuple[bool, float], ...] = ()
     zero_exact: bool = False
+    decisions_only: bool = False
     min_bits: int = 0
     row_length: int = 0
     batch_norm_input: bool = False
@@ -361,10 +365,12 @@ class CompiledSite:
             return cls(keep="log-probabilities, read through exp and otherwise", **site)
         predicates: set[tuple[bool, float]] = set()
         min_bits = row_length = 0
+        values = False  # whether a use reads its values (not only decisions and its shape)
         for use, position, how in uses:
             op = op_name(use)
             if op == "aten.exp" and _less_a_saved_tensor(use.args[0]):
                 return cls(keep="a softmax recomputed from it reads it through exp", **site)
+            values = values or (op not in _SHAPE_READERS and _decisions(use, position) is None)
             if op in _TOLERANT or use.op == "output":
                 continue
             if op == "aten.div":
@@ -411,6 +417,7 @@ class CompiledSite:
             keep=None,
             predicates=() if zero_exact else tuple(sorted(predicates)),
             zero_exact=zero_exact,
+            decisions_only=bool(predicates) and not values,
             min_bits=min_bits,
             row_length=row_length,
             batch_norm_input=any(_normalises(use, node) for use in node.users),
@@ -493,6 +500,10 @@ def _decisions(use: torch.fx.Node, position: int) -> tuple[tuple[bool, float], .
         return ((True, 0.0),)
     if op in _SIGNS:
         return ((True, 0.0), (False, 0.0))
+    if op == "aten.leaky_relu_backward" and position == 1:  # the sign, as _LEAKY's rule
+        return ((True, 0.0),)
+    if op == "aten.hardsigmoid_backward" and position == 1:  # -3 < x < 3, as eager code's rule
+        return ((True, -3.0), (False, 3.0))
     if op == "aten.threshold_backward" and position == 1 and _constant(use, 2):
         return ((True, float(use.args[2])),)
     if op == "aten.hardtanh_backward" and position == 1:  # min < x < max, as _hardtanh's rule

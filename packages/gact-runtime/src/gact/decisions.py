@@ -271,9 +271,10 @@ class DecisionSpec:
         batch_norm: the call is a BatchNorm on batch statistics; set only while a sensitivity
             meter runs.
         only_decisions: the backward reads the call's saves only through the outcomes of
-            ``predicates`` (or of ``y > 0`` on the zero-exact grid), which stay exact, or only
-            for their shape (max pooling), so their rounding never reaches the gradient (NOTE
-            [Measured sensitivities] in measured.py).
+            ``predicates`` (or of ``y > 0`` on the zero-exact grid), which stay exact, so their
+            rounding never reaches the gradient (NOTE [Measured sensitivities] in measured.py):
+            such a save is stored as those outcomes alone (NOTE [Decision-only saves] in
+            saved.py).
         shape_ids: ``id()`` of the call's arguments whose saves the backward reads only for
             their shape: stored as the shape alone (NOTE [Shape-only saves]).
         recompute: the call runs as ``attention.recomputed``, whose backward recomputes it from
@@ -730,8 +731,12 @@ def _conv(dims: int) -> _Rule:
 # value. So do ``put`` (its ``source``: ``grad.take(index)`` reshaped, and ``zeros_like`` of it),
 # and ``gather`` and ``take_along_dim`` (their input, whose gradient scatters ``grad`` into
 # zeros of its shape; ``take_along_dim`` saves a broadcast view of it, so a save of a view of
-# the argument counts too). Every floating-point save these calls make is one of those, which
-# the tests check by reading NaNs in their place. Such a save (the index ops' messages are the
+# the argument counts too), and max and average pooling (their input, for the gradient's shape
+# and memory layout: max pooling scatters through the indices it saved; on CUDA the backward
+# makes the input contiguous, one transient tensor of its size as its dequantization was; in a
+# ResNet's stem the pooled ReLU output is then read by the ReLU alone, NOTE [Decision-only
+# saves] in saved.py). Every floating-point save these calls make is one of those, which the
+# tests check by reading NaNs in their place. Such a save (the index ops' messages are the
 # GNN examples' largest activation, 0.4-3.4 MB a layer on Cora) is stored as its shape alone
 # (``saved.SavedShape``, no bytes counted), so it is no item of the allocation: nothing to
 # probe, whose rounding would have been found harmless only after probes. Its unpack is one
@@ -748,7 +753,8 @@ def _shape_only(position: int, name: str) -> _Rule:
         value = _arg(args, kwargs, position, name, None)
         if not isinstance(value, torch.Tensor) or not value.is_floating_point():
             return None
-        return DecisionSpec(shape_ids=frozenset({id(value)}))
+        base = value._base  # a save of a view of it (whose ``_base`` is the same root)
+        return DecisionSpec(shape_ids=frozenset({id(value), id(value if base is None else base)}))
 
     return rule
 
@@ -773,8 +779,9 @@ def _rules() -> dict[Callable[..., Any], _Rule]:
 
     T = torch.Tensor
     add(relu, F.relu, F.relu_, torch.relu, torch.relu_, T.relu, T.relu_)
-    add(_always(_LEAKY), F.leaky_relu, F.leaky_relu_, F.rrelu, F.rrelu_)
-    add(positive, F.elu, F.elu_, F.selu, F.selu_, F.celu, F.celu_)
+    add(_always(_LEAKY), F.leaky_relu, F.leaky_relu_)
+    # RReLU in training saves its random slopes too, which its backward multiplies by
+    add(positive, F.rrelu, F.rrelu_, F.elu, F.elu_, F.selu, F.selu_, F.celu, F.celu_)
     add(positive, F.prelu, torch.selu, torch.celu)
     add(_hardtanh, F.hardtanh, F.hardtanh_)
     add(lambda a, k: _between(0.0, 6.0, low_strict=True, high_strict=True), F.relu6)
@@ -836,31 +843,25 @@ def _rules() -> dict[Callable[..., Any], _Rule]:
     add(source, torch.index_copy, T.index_copy, T.index_copy_)
     add(_shape_only(2, "source"), torch.put, T.put, T.put_)
     add(_shape_only(0, "input"), torch.take_along_dim, T.take_along_dim, torch.gather, T.gather)
+    # max pooling scatters the gradient through the indices it saved, average pooling spreads
+    # it over each window: either reads its input for the shape and layout of the gradient
+    pooled = _shape_only(0, "input")
+    for kind in ("max", "adaptive_max", "avg", "adaptive_avg"):
+        for d in (1, 2, 3):
+            add(
+                pooled,
+                getattr(F, f"{kind}_pool{d}d"),
+                getattr(F, f"{kind}_pool{d}d_with_indices", None),
+            )
     return table
 
 
-# Max pooling's backward scatters the output gradient through the indices it saved; its saved
-# input gives only the gradient's shape and layout (checked on the CPU by
-# ``tests/test_measured.py``, NaNs in its place giving the exact gradient; not yet on CUDA), so
-# its rounding never reaches the gradient: to a meter, a read like an exact decision's. Only the
-# meter is told so; the input is stored as before (another PyTorch's kernel might read it).
-_POOLED = DecisionSpec(only_decisions=True)
-_MAX_POOLS = tuple(
-    getattr(F, f"{kind}max_pool{d}d{suffix}")
-    for kind in ("", "adaptive_")
-    for d in (1, 2, 3)
-    for suffix in ("", "_with_indices")
-)
-
-
 def _meter_rules() -> dict[Callable[..., Any], _Rule]:
-    """The rules of calls that read a save linearly into a parameter's gradient, or whose
-    reads never carry its rounding into the gradient (max pooling): they matter only while a
-    sensitivity meter runs (NOTE [Measured sensitivities] in measured.py)."""
+    """The rules of calls that read a save linearly into a parameter's gradient: they matter
+    only while a sensitivity meter runs (NOTE [Measured sensitivities] in measured.py)."""
     T = torch.Tensor
     matmul = _product((0, "input"), (1, "other"), matrix=True)
     return {
-        **dict.fromkeys(_MAX_POOLS, _always(_POOLED)),
         F.linear: _product((0, "input"), (1, "weight"), matrix=False, bias_at=(2, "bias")),
         **dict.fromkeys(
             (torch.addmm, T.addmm),
@@ -986,6 +987,23 @@ class Decision:
         if node is not None:
             self.consumers.add(type(node).__name__)
 
+    def drop(self, predicate: tuple[bool, float]) -> None:
+        """Forget the mask of ``predicate`` (stored values decide it exactly), if any."""
+        if predicate in self.predicates:
+            i = self.predicates.index(predicate)
+            del self.predicates[i], self.masks[i]
+
+    def values(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A tensor whose every comparison has the exact outcome: the representative of each
+        element's region (NOTE [Decision-only saves] in saved.py)."""
+        found = representatives(tuple(self.predicates), dtype)
+        assert found is not None, "stored as decisions only where representatives exist"
+        order, levels = found
+        out = torch.full(shape, levels[0], dtype=dtype, device=device)
+        for i, level in zip(order, levels[1:]):  # ascending: the last true one decides
+            out.masked_fill_(gact_kernels.unpack_mask(self.masks[i]), level)
+        return out
+
     def project(self, values: torch.Tensor) -> torch.Tensor:
         """Move, in place, the values whose comparisons differ from the exact outcomes to the
         nearest value with the right outcome (see NOTE above). Temporaries are bool tensors."""
@@ -1002,6 +1020,42 @@ class Decision:
             values.masked_fill_(wrong & outcome, inward[1])
             values.masked_fill_(wrong.logical_and_(outcome.logical_not_()), inward[0])
         return values
+
+
+@functools.cache
+def representatives(
+    predicates: tuple[tuple[bool, float], ...], dtype: torch.dtype
+) -> tuple[tuple[int, ...], tuple[float, ...]] | None:
+    """For comparisons ``x > t`` / ``x >= t``: their order by threshold (``x >= t`` before
+    ``x > t``), and one value of ``dtype`` per region between them, from below every threshold
+    to above all; ``None`` if some region has no value of ``dtype`` whose every outcome is that
+    region's (thresholds closer than ``dtype`` resolves). Element ``x`` lies in region ``r``
+    when exactly the first ``r`` comparisons in that order are true."""
+    order = tuple(
+        sorted(range(len(predicates)), key=lambda i: (predicates[i][1], predicates[i][0]))
+    )
+    bounds = [predicates[i] for i in order]
+    levels = []
+    for r in range(len(bounds) + 1):
+        below = bounds[r - 1] if r else None  # true
+        above = bounds[r] if r < len(bounds) else None  # false
+        if below is None:
+            assert above is not None
+            t = above[1]
+            level = t if above[0] else t - max(1.0, abs(t))  # x <= t, or x < t
+        elif above is None:
+            t = below[1]
+            level = t + max(1.0, abs(t)) if below[0] else t  # x > t, or x >= t
+        elif not below[0]:
+            level = below[1]  # x >= t holds at t, and x > t' or x >= t' fails there if t <= t'
+        else:
+            level = (below[1] + above[1]) / 2
+        levels.append(torch.tensor(level, dtype=dtype).item())  # as dtype holds it
+    for r, level in enumerate(levels):  # check every outcome in dtype's arithmetic
+        for j, (strict, t) in enumerate(bounds):
+            if (level > t if strict else level >= t) != (j < r):
+                return None
+    return order, tuple(levels)
 
 
 def representable(spec: DecisionSpec, dtype: torch.dtype) -> bool:

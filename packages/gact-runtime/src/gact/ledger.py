@@ -30,13 +30,16 @@ class Kind(str, enum.Enum):
     MASK = "mask"  # bool mask packed losslessly at 1 bit per element
     PACKED = "packed"  # integer tensor packed losslessly in the bits its range needs
     SHAPE = "shape"  # read by the backward only for its shape, stored as the shape alone
+    DECISIONS = "decisions"  # read only through comparisons: their outcomes, 1 bit each
     RECOMPUTED = "recomputed"  # an activation's intermediate, recomputed from its saved input
     KEPT = "kept"  # stored as it is (small, integer, float64, level L0, or full precision)
     OUTSIDE = "outside"  # saved outside the model's forward (e.g. the loss): kept as it is
     PARAMETER = "parameter"  # a parameter or buffer: not an activation, never compressed
 
 
-_COMPRESSED = (Kind.QUANTIZED, Kind.MASK, Kind.PACKED, Kind.SHAPE, Kind.RECOMPUTED)
+_COMPRESSED = (
+    Kind.QUANTIZED, Kind.MASK, Kind.PACKED, Kind.SHAPE, Kind.DECISIONS, Kind.RECOMPUTED,
+)  # fmt: skip
 
 
 def occupied_bytes(tensor: torch.Tensor) -> int:
@@ -149,6 +152,19 @@ class Ledger:
         if rec is not None:
             rec.stored_bytes += nbytes
 
+    def forget(self, key: str, tensor: torch.Tensor, mask_bytes: int) -> None:
+        """Take back one save of ``tensor`` at ``key`` in the open step, which held
+        ``mask_bytes`` of decision masks alone (it is stored again otherwise)."""
+        rec = self.current[key]
+        self.recorded -= 1
+        rec.count -= 1
+        rec.numel -= tensor.numel()
+        rec.original_bytes -= occupied_bytes(tensor)
+        rec.stored_bytes -= mask_bytes
+        rec.mask_bytes -= mask_bytes
+        if not rec.count:
+            del self.current[key]
+
     def occurrences(self, key: str) -> int:
         """How many tensors were saved at ``key`` so far in the open step."""
         rec = self.current.get(key)
@@ -242,7 +258,9 @@ class Ledger:
             "e: exact, a two-valued tensor such as binary features or a dropout's mask kept "
             "as floats, which 1 bit stores without error, so its sensitivity is 0 and its "
             "width is pinned); kind shape: the backward reads only the tensor's shape, which is "
-            "all that is stored; kind recomputed: an intermediate of an activation written as "
+            "all that is stored; kind decisions: the backward reads the tensor only through "
+            "comparisons with constants (a ReLU's y > 0), whose outcomes are all that is stored "
+            "(+m: one bit per element and comparison); kind recomputed: an intermediate of an activation written as "
             "several operations (transformers' gelu_new and the like), recomputed in the "
             "backward from the activation's saved input, nothing stored; sensitivity: "
             "the gradient variance a tensor adds per unit of S(b) = 1/(2^b-1)^2, smoothed over "
@@ -254,6 +272,8 @@ class Ledger:
 
 
 def _bits_cell(rec: SiteRecord, two_valued: bool) -> str:
+    if rec.kind is Kind.DECISIONS:
+        return f"0+{rec.mask_bits}m"
     if rec.bits is None:
         return "-"
     if rec.zero_exact:

@@ -60,9 +60,8 @@ _P = TypeVar("_P", Producer, Rows)
 #
 # A key is *measured* when every save at it during the step was read that way or only through
 # exact decisions (``DecisionSpec.only_decisions``: ReLU's output on the zero-exact grid, which
-# the following convolution or linear layer also reads, LeakyReLU's sign, Hardtanh's range,
-# and max pooling's input, read for its shape: their rounding never reaches the gradient,
-# sensitivity 0), or is two-valued (stored exactly
+# the following convolution or linear layer also reads, LeakyReLU's sign, Hardtanh's range:
+# their rounding never reaches the gradient, sensitivity 0), or is two-valued (stored exactly
 # at its pinned 1 bit: NOTE [Two-valued tensors] in adapt.py); any other reader
 # (normalisations, attention, pointwise derivatives, products of two activations) leaves it
 # to the probes, but for BatchNorm inputs that such a layer produced (NOTE [Measured BatchNorm

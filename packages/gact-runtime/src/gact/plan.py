@@ -76,6 +76,9 @@ class BitPlan:
         # whether each key's tensor took only two values when first seen (NOTE [Two-valued
         # tensors] in adapt.py): 1 bit stores such tensors exactly
         self.two_valued: dict[str, bool] = {}
+        # keys whose tensor another call saved for its values: compressed at their first save,
+        # not stored as their decisions alone (NOTE [Decision-only saves] in saved.py)
+        self.value_read: set[str] = set()
         self._hashes: dict[str, int] = {}
         self._step_seed = (-1, 0, 0)  # (step, base seed, mix_seed(base seed, step))
 

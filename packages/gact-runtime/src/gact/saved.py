@@ -36,8 +36,8 @@ if TYPE_CHECKING:
     from .measured import SensitivityMeter
 
 __all__ = [
-    "SaveHooks", "Saved", "SavedCompressed", "SavedKept", "SavedRecomputed", "SavedShape",
-    "SavedView", "installed_hooks",
+    "SaveHooks", "Saved", "SavedCompressed", "SavedDecisions", "SavedKept", "SavedRecomputed",
+    "SavedShape", "SavedView", "installed_hooks",
 ]  # fmt: skip
 
 _PARAM_KEY = "<parameters>"  # ledger key of every parameter/buffer save
@@ -46,7 +46,8 @@ _PARAM_KEY = "<parameters>"  # ledger key of every parameter/buffer save
 # ``pack`` returns a ``Saved``: ``SavedKept`` holds the tensor itself (parameters, buffers, small,
 # integer or float64 tensors, level L0, keys kept at full precision, saves outside the model's
 # forward); ``SavedCompressed`` owns the compressed payload; ``SavedShape`` holds a shape alone
-# (NOTE [Shape-only saves] in decisions.py); ``SavedView`` holds another save of its data (NOTE
+# (NOTE [Shape-only saves] in decisions.py); ``SavedDecisions`` the outcomes of comparisons
+# (NOTE [Decision-only saves]); ``SavedView`` holds another save of its data (NOTE
 # [Aliased saves]). Autograd keeps that object alive
 # exactly as long as it would have kept the tensor, so there is no side table, no reference count
 # and nothing to leak when a backward never runs: the graph's death frees the payload. ``unpack``
@@ -174,6 +175,57 @@ class SavedShape(Saved):
         return nan.expand(self.shape)
 
 
+# NOTE [Decision-only saves]
+# ReLU saves its output and its backward reads it only as ``y > 0``; LeakyReLU, Hardtanh, ReLU6,
+# Hardsigmoid, threshold, clamp, the shrinks and abs read their saves only through comparisons
+# with constants too (``DecisionSpec.only_decisions``). A save of such a call that no save of
+# this forward holds yet is stored as the outcomes of those comparisons alone
+# (``SavedDecisions``: a ``PackedMask`` per comparison, 1 bit per element each), and unpacks to
+# a representative of each element's region (``Decision.values``: 0 and 1 for a ReLU), so its
+# gradient is fp32's bit for bit. NaNs have no region (no comparison is true of them, and each
+# backward treats them its own way: a ReLU's passes the gradient, a LeakyReLU's scales it), so
+# a tensor holding one is compressed as usual (its NaN groups kept exactly); finding out reads
+# a flag off the device, which on a GPU waits for the forward so far, once per such save (few
+# per step: a first step's ReLU outputs, later those only the ReLU reads). Where nothing else reads the tensor (a ResNet stem's ReLU
+# output, which the max pooling reads for its shape alone: NOTE [Shape-only saves] in
+# decisions.py; a ReLU before dropout) that is 1 bit per element instead of the level's width
+# and group headers (4 zero-exact bits and more at L1), and the tensor is no item of the
+# allocation. Usually a later call saves the same tensor for its values (the next convolution):
+# that save compresses it then, as its first save would have been compressed (same key,
+# occurrence, seed and spec; the decisions the first call's backward consumes, less the mask
+# the zero-exact grid makes needless), the first save unpacks that payload, and the masks are
+# freed, so the step stores and rounds exactly what it did before; a save of a view of it (a
+# classifier's flattened input) likewise, held as that payload (NOTE [Aliased saves]). The key
+# joins ``BitPlan.value_read`` and is compressed at its first save from the next forward on.
+# A save of the same storage by a compiled graph (another tensor object) is compressed on its
+# own instead (only that step holds the masks beside it). The masks stay on the device when saves are
+# swapped out, as the decision masks of compressed saves do.
+class SavedDecisions(Saved):
+    """A save read only through comparisons with constants: holds their outcomes (NOTE
+    [Decision-only saves]), or, once another save read the tensor for its values, unpacks
+    the payload that save compressed."""
+
+    __slots__ = ("decision", "occurrence", "shape", "spec", "stored", "witness")
+
+    def __init__(self, tensor: torch.Tensor, key: str, spec: DecisionSpec, occurrence: int) -> None:
+        super().__init__(tensor, key)
+        self.witness = _version_witness(tensor)
+        self.shape = tensor.shape
+        self.spec, self.occurrence = spec, occurrence  # to compress it as it would have been
+        self.decision: Decision | None = Decision(tensor, spec)
+        self.stored: SavedCompressed | None = None
+
+    def _describe(self) -> str:
+        return _describe(self.witness.dtype, self.witness.device, self.shape)
+
+    def unpack(self) -> torch.Tensor:
+        if self.stored is not None:
+            return self.stored.unpack()
+        self._check(self.witness)
+        assert self.decision is not None
+        return self.decision.values(self.shape, self.witness.dtype, self.witness.device)
+
+
 class SavedCompressed(Saved):
     """A compressed saved tensor: a ``gact_kernels.Compressed`` payload (or its swap ticket) and
     the exact decisions of the backward functions that branch on it (see NOTE [Exact decisions]
@@ -250,6 +302,16 @@ class SavedCompressed(Saved):
     def nbytes(self) -> int:
         """Bytes held: the payload (wherever it waits) and the decision masks."""
         return self.held.nbytes + (0 if self.decision is None else self.decision.nbytes)
+
+    def take(self, decision: Decision) -> int:
+        """Hold ``decision``, made where the tensor was stored as its decisions alone (NOTE
+        [Decision-only saves]), less the mask the zero-exact grid makes needless; returns the
+        bytes it holds."""
+        held = self.known
+        if isinstance(held, gact_kernels.QuantizedTensor) and held.zero_exact:
+            decision.drop((True, 0.0))
+        self.decision = decision
+        return decision.nbytes
 
     def decide(self, tensor: torch.Tensor, spec: DecisionSpec) -> int:
         """Record the exact outcomes of ``spec``'s comparisons; returns the bytes added."""
@@ -750,6 +812,8 @@ class SaveHooks:
         boundary = site.graph_input or site.graph_output  # NOTE [Boundary saves]
         if boundary:
             hit = self._live_save(tensor, by_storage=True)
+            if isinstance(hit, SavedDecisions):  # NOTE [Decision-only saves]
+                hit = self._read_for_values(hit, tensor)
             if isinstance(hit, SavedKept) or (
                 isinstance(hit, SavedCompressed)
                 and hit.table is None
@@ -767,6 +831,18 @@ class SaveHooks:
                         assert hit.decision is not None
                         hit.decision.consumers.add(compiled.COMPILED_NODE)
                 return hit
+        if kind is None and site.decisions_only:  # NOTE [Decision-only saves]
+            decided = DecisionSpec(
+                ((True, 0.0),) if site.zero_exact else site.predicates, only_decisions=True
+            )
+            if self._decisions_only(key, tensor, decided, compact, None):
+                saved = self._store_decisions(key, tensor, decided)
+                if boundary:
+                    self.boundaries.add(tensor, saved, self.tracker.generation)
+                # the compiled code reuses the buffer: no version to check (as below)
+                saved.witness = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+                saved.version = 0
+                return saved
         if (
             self.meter is not None
             and tensor.is_floating_point()
@@ -830,6 +906,8 @@ class SaveHooks:
         view = tensor._is_view()
         by_storage = bool(self.compiled_sites) or view
         hit = self._live_save(tensor, by_storage)
+        if isinstance(hit, SavedDecisions):  # NOTE [Decision-only saves]
+            hit = self._read_for_values(hit, tensor)
         if hit is None and inside:  # outside, saves are kept (NOTE [What autograd holds])
             hit = self._view_of_live_save(tensor, view)
         exact = region_input and not self.plan.config.compress_checkpoint_inputs
@@ -864,6 +942,9 @@ class SaveHooks:
         elif kind is not None:
             saved = SavedKept(tensor, key)
             self._record_kept(key, tensor, kind)
+        elif self._decisions_only(key, tensor, spec, compact, call):
+            assert spec is not None
+            saved = self._store_decisions(key, tensor, spec)
         else:
             saved = self._compress(key, tensor, compact, spec)
             if isinstance(saved, SavedCompressed):
@@ -897,6 +978,68 @@ class SaveHooks:
         call.count += 1
         return call, tensor is frame.args[0]
 
+    def _decisions_only(
+        self,
+        key: str,
+        tensor: torch.Tensor,
+        spec: DecisionSpec | None,
+        compact: torch.Tensor | None,
+        call: ActivationCall | None,
+    ) -> bool:
+        """Whether a save of ``tensor``, to be compressed, is stored as the outcomes of
+        ``spec``'s comparisons alone (NOTE [Decision-only saves])."""
+        return (
+            spec is not None
+            and spec.only_decisions
+            and bool(spec.predicates)
+            and compact is None
+            and call is None
+            and tensor.is_floating_point()
+            and key not in self.plan.value_read
+            and decisions.representatives(spec.predicates, tensor.dtype) is not None
+            and not bool(tensor.detach().isnan().any())  # see the NOTE
+        )
+
+    def _store_decisions(
+        self, key: str, tensor: torch.Tensor, spec: DecisionSpec
+    ) -> SavedDecisions:
+        """``tensor`` stored as the outcomes of ``spec``'s comparisons (NOTE [Decision-only
+        saves]), and counted."""
+        saved = SavedDecisions(tensor, key, spec, self.ledger.occurrences(key))
+        assert saved.decision is not None
+        self.ledger.record(key, tensor, Kind.DECISIONS, None, 0)
+        self.ledger.add_decision(key, saved.decision.nbytes, len(saved.decision.predicates))
+        return saved
+
+    def _read_for_values(
+        self, decided: SavedDecisions, tensor: torch.Tensor
+    ) -> SavedCompressed | None:
+        """Another save reads ``tensor``, stored as its decisions alone, for its values (NOTE
+        [Decision-only saves]): the tensor compressed as its first save would have been, which
+        that save unpacks from now on; ``None`` if ``tensor`` is not the object saved first
+        (the same storage saved by a compiled graph), to be compressed on its own."""
+        self.plan.value_read.add(decided.key)
+        forward = self.tracker.generation
+        if self.live.get(tensor, forward) is not decided:
+            return None
+        decision = decided.decision
+        assert decision is not None
+        self.ledger.forget(decided.key, tensor, decision.nbytes)
+        saved = self._compress(
+            decided.key, tensor, None, decided.spec, occurrence=decided.occurrence,
+            decision=decision,
+        )  # fmt: skip
+        assert isinstance(saved, SavedCompressed)
+        decided.stored, decided.decision = saved, None
+        view = tensor._is_view()
+        self._spans(tensor, saved, view)
+        self.live.add(tensor, saved, forward)
+        if self.compiled_sites or view:
+            self.boundaries.add(tensor, saved, forward)
+        if self.meter is not None:
+            self._measure(saved, tensor, decided.spec)
+        return saved
+
     def _live_save(self, tensor: torch.Tensor, by_storage: bool) -> Saved | None:
         """What this forward's save of ``tensor`` returned, if it was saved already: the same
         object, or, ``by_storage``, the same storage view (NOTE [Boundary saves], NOTE
@@ -916,7 +1059,10 @@ class SaveHooks:
             return SavedView.of(tensor, self.view_blocks.get(tensor, self.tracker.generation))
         forward = self.tracker.generation
         base = tensor._base
-        found = SavedView.of(tensor, self.live.get(base, forward))
+        held = self.live.get(base, forward)
+        if isinstance(held, SavedDecisions):  # NOTE [Decision-only saves]
+            held = self._read_for_values(held, base)
+        found = SavedView.of(tensor, held)
         return found or SavedView.of(tensor, self.view_blocks.get(base, forward))
 
     def _spans(self, tensor: torch.Tensor, saved: SavedCompressed, view: bool) -> None:
@@ -1031,7 +1177,13 @@ class SaveHooks:
         tensor: torch.Tensor,
         compact: torch.Tensor | None,
         spec: DecisionSpec | None,
+        *,
+        occurrence: int | None = None,
+        decision: Decision | None = None,
     ) -> Saved:
+        """Compress ``tensor`` saved at ``key`` during a call with ``spec``; ``occurrence``
+        and ``decision``: those of a save stored as its decisions alone until now (NOTE
+        [Decision-only saves])."""
         group_size = self.plan.config.group_size
         zero_exact = False
         floor = preferred = 0  # the saving call's smallest width for it, and its preferred one
@@ -1077,7 +1229,9 @@ class SaveHooks:
             if table is not None:
                 payload = gact_kernels.pack_ints(table.codes(data), group_size=group_size)
             else:
-                seed = self.plan.seed_for(key, self.ledger.occurrences(key))
+                if occurrence is None:
+                    occurrence = self.ledger.occurrences(key)
+                seed = self.plan.seed_for(key, occurrence)
                 rows = _row_length(spec, tensor, data, plan.config)
                 channels = plan.config.channel_groups and data.dim() >= 4
                 source = data if rows is None else data.view(-1, rows)
@@ -1124,7 +1278,9 @@ class SaveHooks:
         if saved.pending:  # see NOTE [Pending saves]
             self.pending.append(saved)
             self.settle()
-        if spec is not None and spec.predicates and kind is Kind.QUANTIZED:
+        if decision is not None:
+            self.ledger.add_decision(key, saved.take(decision), len(decision.predicates))
+        elif spec is not None and spec.predicates and kind is Kind.QUANTIZED:
             self._decide(saved, tensor, spec)
         return saved
 
