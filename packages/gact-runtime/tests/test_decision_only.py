@@ -70,19 +70,24 @@ def _inputs(n: int) -> torch.Tensor:
     return rows
 
 
+def _exact(name: str, x: torch.Tensor) -> tuple[Deciding, torch.Tensor, torch.Tensor]:
+    """``Deciding(DECIDING[name])``, the output weights ``c`` of its loss ``(out * c).sum()``
+    (taken outside the model, so kept), and its parameter's fp32 gradient."""
+    model = Deciding(DECIDING[name], x.shape[1])
+    out = model(x.clone())
+    c = torch.randn_like(out)
+    (out * c).sum().backward()
+    return model, c, model.shift.grad.clone()
+
+
 @pytest.mark.parametrize("name", sorted(DECIDING))
 @pytest.mark.parametrize("level", ["L1", "L2.2"])
 def test_a_deciding_save_is_stored_as_its_outcomes(name: str, level: str) -> None:
     """At 1 bit per comparison, and with the gradient fp32's bit for bit (it reads nothing
     else), at every level. Before, the save was quantized at the level's width (4 bits at L1,
     on the zero-exact grid for ReLU) and its decisions were kept exact by masks on top."""
-    n = 64
-    x = _inputs(n)
-    model = Deciding(DECIDING[name], n)
-    out = model(x.clone())
-    c = torch.randn_like(out)
-    (out * c).sum().backward()
-    exact = model.shift.grad.clone()
+    x = _inputs(64)
+    model, c, exact = _exact(name, x)
     with Controller(model, GactConfig.from_level(level, min_numel=0)) as controller:
         for _ in range(2):
             model.zero_grad()
@@ -215,16 +220,11 @@ def test_level_l0_stores_a_relu_output_as_pytorch_would() -> None:
 @pytest.mark.parametrize("name", ["relu", "hardtanh", "leaky_relu", "relu6", "hardsigmoid"])
 def test_a_compiled_graph_stores_a_deciding_save_as_its_outcomes(name: str) -> None:
     """Under aot_eager the compiled backward reads the save only through comparisons (``le``,
-    ``hardtanh_backward``, ``leaky_relu_backward``...): stored as their outcomes too, the gradient fp32's bit
-    for bit (CompiledSite.decisions_only)."""
+    ``hardtanh_backward``, ``leaky_relu_backward``...): stored as their outcomes too, the
+    gradient fp32's bit for bit (``CompiledSite.decisions_only``)."""
     torch._dynamo.reset()
-    n = 64
-    x = _inputs(n)
-    model = Deciding(DECIDING[name], n)
-    out = model(x.clone())
-    c = torch.randn_like(out)
-    (out * c).sum().backward()
-    exact = model.shift.grad.clone()
+    x = _inputs(64)
+    model, c, exact = _exact(name, x)
     run = torch.compile(model, backend="aot_eager")
     with Controller(run, GactConfig.from_level("L1", min_numel=0)) as controller:
         for _ in range(2):
@@ -241,14 +241,9 @@ def test_a_save_holding_a_nan_is_compressed_as_before(name: str) -> None:
     """A NaN lies in no comparison's region, and backwards treat it differently (fp32's ReLU
     passes the gradient there, LeakyReLU scales it, clamp stops it): such a save is quantized,
     its NaN group kept exactly, and the gradient is fp32's, NaN for NaN."""
-    n = 64
-    x = _inputs(n)
+    x = _inputs(64)
     x[3, 5] = float("nan")
-    model = Deciding(DECIDING[name], n)
-    out = model(x.clone())
-    c = torch.randn_like(out)
-    (out * c).sum().backward()
-    exact = model.shift.grad.clone()
+    model, c, exact = _exact(name, x)
     with Controller(model, GactConfig.from_level("L1", min_numel=0)) as controller:
         model.zero_grad()
         (model(x.clone()) * c).sum().backward()
