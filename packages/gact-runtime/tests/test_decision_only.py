@@ -159,6 +159,8 @@ def test_the_resnet_stem_stores_its_relu_output_as_signs() -> None:
     numel = 16 * 8 * 16 * 16
     assert [(r.kind, r.stored_bytes) for r in relu] == [(Kind.DECISIONS, numel // 8)]
     assert [(r.kind, r.stored_bytes) for r in pool] == [(Kind.SHAPE, 0)]
+    # autograd would hold the ReLU output once: counted at the ReLU's save, not the pooling's
+    assert relu[0].original_bytes == 4 * numel and pool[0].original_bytes == 0
 
 
 @pytest.mark.parametrize("reads", ["square", "view"])

@@ -110,9 +110,11 @@ class Ledger:
         metadata_bits: float | None = None,
         min_bits: int = 0,
         preferred_bits: int = 0,
+        held_elsewhere: bool = False,
     ) -> None:
         """Count one save of ``tensor`` at ``key``; ``stored_bytes`` is what GACT holds for
-        it, ``None`` when it holds the tensor itself."""
+        it, ``None`` when it holds the tensor itself; ``held_elsewhere``: another save of the
+        step holds the same tensor, whose bytes autograd would hold once (counted there)."""
         rec = self.current.get(key)
         shape = tuple(tensor.shape)
         if rec is None or rec.kind is not kind or rec.bits != bits:
@@ -130,7 +132,7 @@ class Ledger:
         rec.table = rec.table or table
         if metadata_bits is not None:
             rec.metadata_bits = metadata_bits
-        original = occupied_bytes(tensor)
+        original = 0 if held_elsewhere else occupied_bytes(tensor)
         self.recorded += 1
         rec.count += 1
         rec.numel += tensor.numel()
@@ -151,6 +153,13 @@ class Ledger:
         rec = self.current.get(key)
         if rec is not None:
             rec.stored_bytes += nbytes
+
+    def held_elsewhere(self, key: str, tensor: torch.Tensor) -> None:
+        """A later save of the step holds ``tensor``, recorded at ``key`` before: autograd
+        would hold it once, so its bytes count there, not here."""
+        rec = self.current.get(key)
+        if rec is not None:
+            rec.original_bytes -= occupied_bytes(tensor)
 
     def forget(self, key: str, tensor: torch.Tensor, mask_bytes: int) -> None:
         """Take back one save of ``tensor`` at ``key`` in the open step, which held

@@ -489,6 +489,10 @@ class _LiveTable:
             _address(tensor),
         )
 
+    def discard(self, tensor: torch.Tensor) -> None:
+        """Drop ``tensor``'s entry, if any."""
+        self._entries.pop(id(tensor), None)
+
     def clear(self) -> None:
         """Drop every entry (a new forward starts: old entries can no longer match)."""
         self._entries.clear()
@@ -689,6 +693,7 @@ class SaveHooks:
         self.swapper = swapper
         self.live = _LiveTable()
         self.view_blocks = _LiveTable()  # base -> a compressed view of it (NOTE [Aliased saves])
+        self.shaped = _LiveTable()  # tensors saved as their shape (NOTE [Shape-only saves])
         self.boundaries = _LiveStorages()  # NOTE [Boundary saves], NOTE [Aliased saves]
         self.pending: collections.deque[SavedCompressed] = collections.deque()  # NOTE below
         self.unpacked = 0  # unpack calls so far: tells whether a closure ran a backward
@@ -771,6 +776,7 @@ class SaveHooks:
     def forward_started(self) -> None:
         """The controlled model's root forward starts: forget the last forward's saves."""
         self.live.clear()
+        self.shaped.clear()
         self.view_blocks.clear()
         self.boundaries.clear()
         self._graphs_counted.clear()
@@ -898,8 +904,13 @@ class SaveHooks:
             and spec.shape_only(tensor)
             and self.plan.config.spec.compresses  # L0 stores what PyTorch would
         ):  # NOTE [Shape-only saves]
-            self.ledger.record(key, tensor, Kind.SHAPE, None, 0)
-            return SavedShape(tensor, key)
+            # autograd holds the tensor once, however many calls save it: its bytes count once
+            held = self.live.get(tensor, self.tracker.generation) is not None
+            self.ledger.record(key, tensor, Kind.SHAPE, None, 0, held_elsewhere=held)
+            shaped = SavedShape(tensor, key)
+            if not held:
+                self.shaped.add(tensor, shaped, self.tracker.generation)
+            return shaped
         # a compiled graph may save it again (NOTE [Boundary saves]), another call another
         # view of its storage (NOTE [Aliased saves])
         view = tensor._is_view()
@@ -950,6 +961,11 @@ class SaveHooks:
                 self._spans(tensor, saved, view)
         if is_input:
             call.saw_input(saved)  # type: ignore[union-attr]
+        if self.shaped:  # its bytes were counted at a save of its shape (see above)
+            shaped = self.shaped.get(tensor, self.tracker.generation)
+            if shaped is not None:
+                self.ledger.held_elsewhere(shaped.key, tensor)
+                self.shaped.discard(tensor)  # counted once
         if not (isinstance(saved, SavedCompressed) and saved.table is not None):
             self.live.add(tensor, saved, self.tracker.generation)
             if by_storage:
