@@ -51,6 +51,9 @@ class Items:
             [Small maps] and NOTE [Attention and row normalisations] in decisions.py),
             yielding a bit at a time where it does not (NOTE [Preference tiers]).
         fixed_bytes: bytes the step stores outside the items (kept tensors, masks, packs).
+        decided_numel, decided_bits: elements of the saves stored as their decisions alone,
+            and the bits those hold: an adaptive level's average covers them (NOTE [Decision-only
+            saves] in saved.py), as it covers two-valued items pinned at 1 bit.
     """
 
     keys: list[str]
@@ -61,6 +64,8 @@ class Items:
     pinned: np.ndarray
     preferred: np.ndarray
     fixed_bytes: int
+    decided_numel: int = 0
+    decided_bits: int = 0
 
     @classmethod
     def of(
@@ -86,7 +91,12 @@ class Items:
             for r in sites.values()
             if r.kind is not Kind.PARAMETER and not _quantizable(r)
         )
-        rows, fixed = rank_zeros((rows, fixed))
+        decided = [r for r in sites.values() if r.kind is Kind.DECISIONS]
+        decided_numel = sum(r.numel for r in decided)
+        decided_bits = 8 * sum(r.stored_bytes for r in decided)
+        rows, fixed, decided_numel, decided_bits = rank_zeros(
+            (rows, fixed, decided_numel, decided_bits)
+        )
         lower = np.array([row[4] for row in rows], dtype=np.int64)
         return cls(
             keys=[row[0] for row in rows],
@@ -97,6 +107,8 @@ class Items:
             pinned=np.array([row[5] for row in rows], dtype=np.int64),
             preferred=np.maximum(lower, np.array([row[6] for row in rows], dtype=np.int64)),
             fixed_bytes=fixed,
+            decided_numel=decided_numel,
+            decided_bits=decided_bits,
         )
 
 
@@ -372,10 +384,15 @@ class Adapter:
         """Widths minimising the predicted variance within the level's average or the
         configuration's ``memory_budget`` (bytes, everything the step stores counted)."""
         cfg = self._plan.config
-        if cfg.memory_budget is None:
+        if cfg.memory_budget is None and not items.decided_numel:
             assert cfg.avg_bits is not None
             budget_bits = math.floor(cfg.avg_bits * int(items.numel.sum()))
             limit: dict[str, Any] = {"avg_bits": cfg.avg_bits}
+        elif cfg.memory_budget is None:  # the average covers the decided saves' elements too
+            assert cfg.avg_bits is not None
+            covered = int(items.numel.sum()) + items.decided_numel
+            budget_bits = math.floor(cfg.avg_bits * covered) - items.decided_bits
+            limit = {"avg_bits": None, "budget_bytes": max(budget_bits, 0) // 8}
         else:
             # 16 bytes per item cover the rounding up of the last group's metadata and of the
             # decision masks to whole bytes, which the per-element costs leave out

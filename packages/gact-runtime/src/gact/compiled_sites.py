@@ -268,6 +268,8 @@ class CompiledSite:
         decisions_only: its backward reads it only through ``predicates`` (or ``x > 0``
             where ``zero_exact``) and for its shape: stored as their outcomes alone where no
             other save reads it (NOTE [Decision-only saves] in saved.py).
+        decided: a bool tensor the forward made by comparing an activation with a constant
+            (inductor saves a ReLU's ``le`` mask): counted as a decision-only save is.
         min_bits: its smallest width (fused attention's q and k).
         row_length: LayerNorm rows: groups never span two rows of this many elements (0: none).
         batch_norm_input: normalised by its batch's statistics per channel (NOTE [Small maps] in
@@ -294,6 +296,7 @@ class CompiledSite:
     predicates: tuple[tuple[bool, float], ...] = ()
     zero_exact: bool = False
     decisions_only: bool = False
+    decided: bool = False
     min_bits: int = 0
     row_length: int = 0
     batch_norm_input: bool = False
@@ -343,8 +346,8 @@ class CompiledSite:
         numel = val.numel()
         if isinstance(numel, int) and numel < config.min_numel:
             return cls(keep=f"fewer than min_numel={config.min_numel} elements", **site)
-        if not val.is_floating_point():
-            return cls(keep=None, **site)  # bool and integer tensors: packed losslessly
+        if not val.is_floating_point():  # bool and integer tensors: packed losslessly
+            return cls(keep=None, decided=_decision_mask(_aliased(node)), **site)
         made_by = op_name(_aliased(node))
         if made_by in _RECIPROCALS:
             return cls(keep="a reciprocal (divides in the backward)", **site)
@@ -603,6 +606,26 @@ def _tangent_fed(graph: torch.fx.Graph) -> set[torch.fx.Node]:
                     todo.append(user)
         _FED[graph] = fed
     return fed
+
+
+# Random draws: a comparison of one (inductor's dropout mask) decides nothing of an activation.
+_RANDOM = {
+    "aten.rand", "aten.rand_like", "aten.bernoulli", "aten.uniform", "aten.native_dropout",
+    "prims.inductor_random", "rngprims.philox_rand",
+}  # fmt: skip
+
+
+def _decision_mask(node: torch.fx.Node) -> bool:
+    """Whether ``node`` compares a floating-point tensor the forward computed (no random draw)
+    with a constant: a decision of an activation (NOTE [Decision-only saves] in saved.py)."""
+    if op_name(node) not in _COMPARISONS or not _constant(node, 1):
+        return False
+    source = node.args[0]
+    if not isinstance(source, torch.fx.Node):
+        return False
+    value = source.meta.get("val")
+    floating = isinstance(value, torch.Tensor) and value.is_floating_point()
+    return floating and op_name(_aliased(source)) not in _RANDOM
 
 
 def _constant(node: torch.fx.Node, position: int) -> bool:

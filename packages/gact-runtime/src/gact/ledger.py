@@ -161,6 +161,18 @@ class Ledger:
         if rec is not None:
             rec.original_bytes -= occupied_bytes(tensor)
 
+    def as_decisions(self, key: str) -> None:
+        """The bool mask just recorded at ``key`` is an activation's decision (a compiled
+        graph's): counted as eager code's decision-only saves are (NOTE [Decision-only saves]
+        in saved.py)."""
+        rec = self.current[key]
+        rec.kind, rec.bits, rec.mask_bits, rec.mask_bytes = (
+            Kind.DECISIONS,
+            None,
+            1,
+            rec.stored_bytes,
+        )
+
     def forget(self, key: str, tensor: torch.Tensor, mask_bytes: int) -> None:
         """Take back one save of ``tensor`` at ``key`` in the open step, which held
         ``mask_bytes`` of decision masks alone (it is stored again otherwise)."""

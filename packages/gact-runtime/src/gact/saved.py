@@ -860,6 +860,8 @@ class SaveHooks:
             return SavedKept(tensor.clone(), key)
         saved = self._compress(key, tensor, compact, spec)
         assert isinstance(saved, SavedCompressed)
+        if site.decided:  # an activation's decision, as eager code stores it alone
+            self.ledger.as_decisions(key)
         if boundary:
             self.boundaries.add(tensor, saved, self.tracker.generation)
         # The compiled code reuses the buffer, and bumps its version, once its save is packed;
