@@ -166,12 +166,8 @@ class Ledger:
         graph's): counted as eager code's decision-only saves are (NOTE [Decision-only saves]
         in saved.py)."""
         rec = self.current[key]
-        rec.kind, rec.bits, rec.mask_bits, rec.mask_bytes = (
-            Kind.DECISIONS,
-            None,
-            1,
-            rec.stored_bytes,
-        )
+        rec.kind, rec.bits = Kind.DECISIONS, None
+        rec.mask_bits, rec.mask_bytes = 1, rec.stored_bytes
 
     def forget(self, key: str, tensor: torch.Tensor, mask_bytes: int) -> None:
         """Take back one save of ``tensor`` at ``key`` in the open step, which held
@@ -281,9 +277,10 @@ class Ledger:
             "width is pinned); kind shape: the backward reads only the tensor's shape, which is "
             "all that is stored; kind decisions: the backward reads the tensor only through "
             "comparisons with constants (a ReLU's y > 0), whose outcomes are all that is stored "
-            "(+m: one bit per element and comparison); kind recomputed: an intermediate of an activation written as "
-            "several operations (transformers' gelu_new and the like), recomputed in the "
-            "backward from the activation's saved input, nothing stored; sensitivity: "
+            "(+m: one bit per element and comparison); kind recomputed: an intermediate of an "
+            "activation written as several operations (transformers' gelu_new and the like), "
+            "recomputed in the backward from the activation's saved input, nothing stored; "
+            "sensitivity: "
             "the gradient variance a tensor adds per unit of S(b) = 1/(2^b-1)^2, smoothed over "
             "adaptations, ± one standard error of the last probed estimate (m: measured in the "
             "backward, no probe); bytes: as autograd would "
