@@ -998,10 +998,10 @@ class Decision:
         element's region (NOTE [Decision-only saves] in saved.py)."""
         found = representatives(tuple(self.predicates), dtype)
         assert found is not None, "stored as decisions only where representatives exist"
-        order, levels = found
-        out = torch.full(shape, levels[0], dtype=dtype, device=device)
-        for i, level in zip(order, levels[1:]):  # ascending: the last true one decides
-            out.masked_fill_(gact_kernels.unpack_mask(self.masks[i]), level)
+        order, base, steps = found
+        ones = [gact_kernels.unpack_mask(self.masks[i]).to(dtype) for i in order]
+        out = _assemble(ones, base, steps)  # one or two passes (masked_fill_: 6x slower)
+        assert out.shape == shape and out.device == device
         return out
 
     def project(self, values: torch.Tensor) -> torch.Tensor:
@@ -1022,15 +1022,27 @@ class Decision:
         return values
 
 
+def _assemble(ones: list[torch.Tensor], base: float, steps: tuple[float, ...]) -> torch.Tensor:
+    """``base + sum(steps[j] * ones[j])`` in the dtype of ``ones`` (tensors of 0 and 1, used up),
+    computed as ``Decision.values`` computes it and ``representatives`` checks it."""
+    out = ones[0]
+    if (base, steps[0]) != (0.0, 1.0):  # a ReLU's 0 and 1 need no arithmetic
+        out.mul_(steps[0]).add_(base)
+    for one, step in zip(ones[1:], steps[1:]):
+        out.add_(one.mul_(step))
+    return out
+
+
 @functools.cache
 def representatives(
     predicates: tuple[tuple[bool, float], ...], dtype: torch.dtype
-) -> tuple[tuple[int, ...], tuple[float, ...]] | None:
+) -> tuple[tuple[int, ...], float, tuple[float, ...]] | None:
     """For comparisons ``x > t`` / ``x >= t``: their order by threshold (``x >= t`` before
-    ``x > t``), and one value of ``dtype`` per region between them, from below every threshold
-    to above all; ``None`` if some region has no value of ``dtype`` whose every outcome is that
-    region's (thresholds closer than ``dtype`` resolves). Element ``x`` lies in region ``r``
-    when exactly the first ``r`` comparisons in that order are true."""
+    ``x > t``), and a value per region between them, from below every threshold to above all,
+    as a base and the steps between consecutive regions: element ``x`` lies in region ``r``
+    when exactly the first ``r`` comparisons in that order are true, and its value is ``base``
+    plus the first ``r`` steps (``_assemble`` in ``dtype``); ``None`` if some region's value so
+    computed does not give that region's outcomes (thresholds closer than ``dtype`` resolves)."""
     order = tuple(
         sorted(range(len(predicates)), key=lambda i: (predicates[i][1], predicates[i][0]))
     )
@@ -1051,11 +1063,16 @@ def representatives(
         else:
             level = (below[1] + above[1]) / 2
         levels.append(torch.tensor(level, dtype=dtype).item())  # as dtype holds it
-    for r, level in enumerate(levels):  # check every outcome in dtype's arithmetic
+    base = levels[0]
+    steps = tuple(b - a for a, b in zip(levels, levels[1:]))
+    n = len(bounds)
+    ones = [torch.tensor([float(j < r) for r in range(n + 1)], dtype=dtype) for j in range(n)]
+    values = _assemble(ones, base, steps).tolist()  # every region's value, as unpacked
+    for r, value in enumerate(values):  # check every outcome in dtype's arithmetic
         for j, (strict, t) in enumerate(bounds):
-            if (level > t if strict else level >= t) != (j < r):
+            if (value > t if strict else value >= t) != (j < r):
                 return None
-    return order, tuple(levels)
+    return order, base, steps
 
 
 def representable(spec: DecisionSpec, dtype: torch.dtype) -> bool:

@@ -184,21 +184,22 @@ class SavedShape(Saved):
 # element's region (``Decision.values``: 0 and 1 for a ReLU), so its gradient is fp32's bit for bit.
 # NaNs have no region (no comparison is true of them, and each backward treats them its own way: a
 # ReLU's passes the gradient, a LeakyReLU's scales it), so a tensor holding one is compressed as
-# usual (its NaN groups kept exactly); finding out reads a flag off the device, which on a GPU waits
-# for the forward so far, once per such save (few per step: a first step's ReLU outputs, later those
-# only the ReLU reads). Where nothing else reads the tensor (a ResNet stem's ReLU output, which the
-# max pooling reads for its shape alone: NOTE [Shape-only saves] in decisions.py; a ReLU before
-# dropout) that is 1 bit per element instead of the level's width and group headers (4 zero-exact
-# bits and more at L1), and the tensor is no item of the allocation. Usually a later call saves the
-# same tensor for its values (the next convolution): that save compresses it then, as its first save
-# would have been compressed (same key, occurrence, seed and spec; the decisions the first call's
-# backward consumes, less the mask the zero-exact grid makes needless), the first save unpacks that
-# payload, and the masks are freed, so the step stores and rounds exactly what it did before; a save
-# of a view of it (a classifier's flattened input) likewise, held as that payload (NOTE [Aliased
-# saves]). The key joins ``BitPlan.value_read`` and is compressed at its first save from the next
-# forward on. A save of the same storage by a compiled graph (another tensor object) is compressed
-# on its own instead (only that step holds the masks beside it). The masks stay on the device when
-# saves are swapped out, as the decision masks of compressed saves do.
+# usual (its NaN groups kept exactly; so is one holding both infinities); finding out reads a sum
+# off the device, which on a GPU waits for the forward so far, once per such save (few per step: a
+# first step's ReLU outputs, later those only the ReLU reads). Where nothing else reads the tensor
+# (a ResNet stem's ReLU output, which the max pooling reads for its shape alone: NOTE [Shape-only
+# saves] in decisions.py; a ReLU before dropout) that is 1 bit per element instead of the level's
+# width and group headers (4 zero-exact bits and more at L1), and the tensor is no item of the
+# allocation. Usually a later call saves the same tensor for its values (the next convolution): that
+# save compresses it then, as its first save would have been compressed (same key, occurrence, seed
+# and spec; the decisions the first call's backward consumes, less the mask the zero-exact grid
+# makes needless), the first save unpacks that payload, and the masks are freed, so the step stores
+# and rounds exactly what it did before; a save of a view of it (a classifier's flattened input)
+# likewise, held as that payload (NOTE [Aliased saves]). The key joins ``BitPlan.value_read`` and is
+# compressed at its first save from the next forward on. A save of the same storage by a compiled
+# graph (another tensor object) is compressed on its own instead (only that step holds the masks
+# beside it). The masks stay on the device when saves are swapped out, as the decision masks of
+# compressed saves do.
 class SavedDecisions(Saved):
     """A save read only through comparisons with constants: holds their outcomes (NOTE
     [Decision-only saves]), or, once another save read the tensor for its values, unpacks
@@ -1014,7 +1015,7 @@ class SaveHooks:
             and tensor.is_floating_point()
             and key not in self.plan.value_read
             and decisions.representatives(spec.predicates, tensor.dtype) is not None
-            and not bool(tensor.detach().isnan().any())  # see the NOTE
+            and not bool(tensor.detach().sum().isnan())  # any NaN (or +inf and -inf): see the NOTE
         )
 
     def _store_decisions(
