@@ -384,15 +384,15 @@ class Adapter:
         """Widths minimising the predicted variance within the level's average or the
         configuration's ``memory_budget`` (bytes, everything the step stores counted)."""
         cfg = self._plan.config
-        if cfg.memory_budget is None and not items.decided_numel:
-            assert cfg.avg_bits is not None
-            budget_bits = math.floor(cfg.avg_bits * int(items.numel.sum()))
-            limit: dict[str, Any] = {"avg_bits": cfg.avg_bits}
-        elif cfg.memory_budget is None:  # the average covers the decided saves' elements too
+        if cfg.memory_budget is None:  # the average covers the decided saves' elements too
             assert cfg.avg_bits is not None
             covered = int(items.numel.sum()) + items.decided_numel
             budget_bits = math.floor(cfg.avg_bits * covered) - items.decided_bits
-            limit = {"avg_bits": None, "budget_bytes": max(budget_bits, 0) // 8}
+            limit: dict[str, Any] = (
+                {"avg_bits": None, "budget_bytes": max(budget_bits, 0) // 8}
+                if items.decided_numel
+                else {"avg_bits": cfg.avg_bits}  # the same budget, in the policy's own terms
+            )
         else:
             # 16 bytes per item cover the rounding up of the last group's metadata and of the
             # decision masks to whole bytes, which the per-element costs leave out

@@ -993,16 +993,15 @@ class Decision:
             i = self.predicates.index(predicate)
             del self.predicates[i], self.masks[i]
 
-    def values(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A tensor whose every comparison has the exact outcome: the representative of each
-        element's region (NOTE [Decision-only saves] in saved.py)."""
+    def values(self, dtype: torch.dtype) -> torch.Tensor:
+        """A tensor of ``dtype`` (and the masks' shape and device) whose every comparison has
+        the exact outcome: the representative of each element's region (NOTE [Decision-only
+        saves] in saved.py)."""
         found = representatives(tuple(self.predicates), dtype)
         assert found is not None, "stored as decisions only where representatives exist"
         order, base, steps = found
         ones = [gact_kernels.unpack_mask(self.masks[i]).to(dtype) for i in order]
-        out = _assemble(ones, base, steps)  # one or two passes (masked_fill_: 6x slower)
-        assert out.shape == shape and out.device == device
-        return out
+        return _assemble(ones, base, steps)  # one or two passes (masked_fill_: 6x slower)
 
     def project(self, values: torch.Tensor) -> torch.Tensor:
         """Move, in place, the values whose comparisons differ from the exact outcomes to the

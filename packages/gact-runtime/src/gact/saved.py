@@ -223,7 +223,7 @@ class SavedDecisions(Saved):
             return self.stored.unpack()
         self._check(self.witness)
         assert self.decision is not None
-        return self.decision.values(self.shape, self.witness.dtype, self.witness.device)
+        return self.decision.values(self.witness.dtype)
 
 
 class SavedCompressed(Saved):
@@ -307,21 +307,23 @@ class SavedCompressed(Saved):
         """Hold ``decision``, made where the tensor was stored as its decisions alone (NOTE
         [Decision-only saves]), less the mask the zero-exact grid makes needless; returns the
         bytes it holds."""
-        held = self.known
-        if isinstance(held, gact_kernels.QuantizedTensor) and held.zero_exact:
-            decision.drop((True, 0.0))
+        skip = self._decided_by_grid()
+        if skip is not None:
+            decision.drop(skip)
         self.decision = decision
         return decision.nbytes
 
+    def _decided_by_grid(self) -> tuple[bool, float] | None:
+        """The comparison the stored values decide exactly: ``y > 0`` on the zero-exact grid
+        (NOTE [Exact decisions]); its grid is final, no need to wait for a pending
+        quantization."""
+        held = self.known
+        zero_exact = isinstance(held, gact_kernels.QuantizedTensor) and held.zero_exact
+        return (True, 0.0) if zero_exact else None
+
     def decide(self, tensor: torch.Tensor, spec: DecisionSpec) -> int:
         """Record the exact outcomes of ``spec``'s comparisons; returns the bytes added."""
-        held = self.known  # its grid is final: no need to wait for a pending quantization
-        # the zero-exact grid decides y > 0 exactly (NOTE [Exact decisions])
-        skip = (
-            (True, 0.0)
-            if isinstance(held, gact_kernels.QuantizedTensor) and held.zero_exact
-            else None
-        )
+        skip = self._decided_by_grid()
         if self.decision is None:
             self.decision = Decision(tensor, spec, skip=skip)
             return self.decision.nbytes
@@ -845,9 +847,7 @@ class SaveHooks:
                 saved = self._store_decisions(key, tensor, decided)
                 if boundary:
                     self.boundaries.add(tensor, saved, self.tracker.generation)
-                # the compiled code reuses the buffer: no version to check (as below)
-                saved.witness = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
-                saved.version = 0
+                _unversioned(saved, tensor)  # as below
                 return saved
         if (
             self.meter is not None
@@ -871,8 +871,7 @@ class SaveHooks:
         # [Pending saves]): it is resolved now, before the buffer is written again.
         if saved.pending:
             saved.resolve()
-        saved.witness = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
-        saved.version = 0
+        _unversioned(saved, tensor)
         if saved.decision is not None:
             saved.decision.consumers.add(compiled.COMPILED_NODE)
         return saved
@@ -1371,6 +1370,12 @@ class SaveHooks:
                 GactWarning,
                 stacklevel=2,
             )
+
+
+def _unversioned(saved: SavedCompressed | SavedDecisions, tensor: torch.Tensor) -> None:
+    """A compiled graph's save: its buffer has no version to check (see ``pack_site``)."""
+    saved.witness = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    saved.version = 0
 
 
 def _metadata_bits(payload: gact_kernels.QuantizedTensor, nbytes: int) -> float:
