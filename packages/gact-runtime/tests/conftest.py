@@ -21,3 +21,10 @@ def _isolated() -> Iterator[None]:
     while torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
         torch._C._autograd._pop_saved_tensors_default_hooks()
     assert leaked is None, "the test left saved-tensor hooks installed"
+
+
+@pytest.fixture
+def fresh_dynamo() -> None:
+    """Forget what dynamo compiled before the test (the compiled tests' modules use it for
+    every test: ``pytestmark``)."""
+    torch._dynamo.reset()

@@ -23,6 +23,10 @@ requires_cuda = pytest.mark.skipif(
 )
 
 
+#: the torch.compile backends the compiled tests run under
+BACKENDS = ["aot_eager", "inductor"]
+
+
 def grads_of(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
 

@@ -21,15 +21,10 @@ import torch.nn.functional as F
 from gact import Controller, GactConfig, GactError, GactWarning, compiled, compiled_sites
 from gact.ledger import Kind, live_tensor_peak
 from gact.scope import OUTSIDE
-from runtime_helpers import deferred_quantize, grads_of, relative_error
+from runtime_helpers import BACKENDS, deferred_quantize, grads_of, relative_error
 from torch import nn
 
-BACKENDS = ["aot_eager", "inductor"]
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo() -> None:
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _pooling_cnn() -> nn.Module:

@@ -11,14 +11,10 @@ import torch
 import torch.nn.functional as F
 from gact import Controller, GactConfig
 from gact.measured_compiled import fingerprint, match
+from runtime_helpers import BACKENDS
 from torch import nn
 
-BACKENDS = ["aot_eager", "inductor"]
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo() -> None:
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _cnn() -> nn.Module:
