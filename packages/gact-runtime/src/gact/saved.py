@@ -959,8 +959,6 @@ class SaveHooks:
             saved = self._store_decisions(key, tensor, spec)
         else:
             saved = self._compress(key, tensor, compact, spec)
-            if isinstance(saved, SavedCompressed):
-                self._spans(tensor, saved, view)
         if is_input:
             call.saw_input(saved)  # type: ignore[union-attr]
         if self.shaped:  # its bytes were counted at a save of its shape (see above)
@@ -968,13 +966,23 @@ class SaveHooks:
             if shaped is not None:
                 self.ledger.held_elsewhere(shaped.key, tensor)
                 self.shaped.discard(tensor)  # counted once
-        if not (isinstance(saved, SavedCompressed) and saved.table is not None):
-            self.live.add(tensor, saved, self.tracker.generation)
-            if by_storage:
-                self.boundaries.add(tensor, saved, self.tracker.generation)
+        self._hold(tensor, saved, view)
         if self.meter is not None:
             self._measure(saved, tensor, spec)
         return saved
+
+    def _hold(self, tensor: torch.Tensor, saved: Saved, view: bool) -> None:
+        """Hold ``saved`` as this forward's save of ``tensor`` (``view``: a view), for later
+        saves of the same tensor, storage or block (NOTE [Boundary saves], NOTE [Aliased
+        saves]); a derivative table is read by its own function alone, held for none."""
+        if isinstance(saved, SavedCompressed):
+            if saved.table is not None:
+                return
+            self._spans(tensor, saved, view)
+        forward = self.tracker.generation
+        self.live.add(tensor, saved, forward)
+        if self.compiled_sites or view:
+            self.boundaries.add(tensor, saved, forward)
 
     def _activation_call(
         self, frame: Frame, tensor: torch.Tensor
@@ -1048,11 +1056,7 @@ class SaveHooks:
         )  # fmt: skip
         assert isinstance(saved, SavedCompressed)
         decided.stored, decided.decision = saved, None
-        view = tensor._is_view()
-        self._spans(tensor, saved, view)
-        self.live.add(tensor, saved, forward)
-        if self.compiled_sites or view:
-            self.boundaries.add(tensor, saved, forward)
+        self._hold(tensor, saved, tensor._is_view())
         if self.meter is not None:
             self._measure(saved, tensor, decided.spec)
         return saved
