@@ -32,6 +32,11 @@ PYBIND11_MODULE(_cpu, m) {
       py::arg("data"), py::arg("lo"), py::arg("scale"), py::arg("n"), py::arg("group_size"),
       py::arg("bits"), py::arg("seed"), py::arg("zero_exact"), py::arg("dtype"), py::arg("out"),
       py::arg("threads"), Release());
+  m.def("vbmi_supported", &gact::vbmi_supported_cpu,
+        "Whether this CPU packs odd widths with AVX-512 VBMI byte permutes.");
+  m.def("use_vbmi", &gact::use_vbmi_cpu, py::arg("on"),
+        "Takes the VBMI packing path (on) or the portable one; returns the previous setting. "
+        "Both write the same bytes: tests switch between them.");
   m.def(
       "quantize_runs",
       [](uintptr_t x, int dtype, int64_t outer, int64_t channels, int64_t inner, int64_t run,

@@ -211,14 +211,17 @@ GACT_HD uint16_t float_to_half_stochastic(float v, uint32_t h) {
   nrm = nrm > 0x7BFFu ? 0x7BFFu : nrm;
   // Subnormal half: multiples of 2^-24. With |v| = mant * 2^-(126 + s) (s >= 14 when |v| <
   // 2^-14), t = |v| * 2^24 = mant / 2^s, so k = mant >> s and trunc((t - k) * 2^32) is the low
-  // word of (mant << 32) >> s. Integer shifts only (they vectorise, float -> int conversions
-  // of values the compiler cannot bound do not); shifts past the 24-bit mantissa give 0.
+  // word of (mant << 32) >> s: mant << (32 - s) for s <= 32, mant >> (s - 32) above (mant <
+  // 2^24, so shifts by 31 or more give 0). Integer shifts of 32-bit lanes only: they vectorise
+  // at full width (float -> int conversions of values the compiler cannot bound do not, and
+  // 64-bit lanes halve it).
   const uint32_t exponent = a >> 23;
-  const uint64_t mant = (a & 0x7FFFFFu) | (static_cast<uint32_t>(exponent != 0u) << 23);
+  const uint32_t mant = (a & 0x7FFFFFu) | (static_cast<uint32_t>(exponent != 0u) << 23);
   const uint32_t e = exponent > 1u ? exponent : 1u;  // fp32 subnormals share exponent 1's scale
-  const uint32_t shift = 126u - (e < 112u ? e : 112u);
-  const uint32_t k = static_cast<uint32_t>(mant >> (shift < 31u ? shift : 31u));
-  const uint32_t frac32 = static_cast<uint32_t>((mant << 32) >> (shift < 63u ? shift : 63u));
+  const uint32_t shift = 126u - (e < 112u ? e : 112u);  // 14 .. 125
+  const uint32_t k = mant >> (shift < 31u ? shift : 31u);
+  const uint32_t down = shift - 32u < 31u ? shift - 32u : 31u;  // wraps to >= 31 for s < 32
+  const uint32_t frac32 = shift <= 32u ? mant << ((32u - shift) & 31u) : mant >> down;
   const uint32_t sub = k + (h > ~frac32 ? 1u : 0u);
   uint32_t r = subnormal ? sub : nrm;
   r = a > 0x7F800000u ? 0x7E00u : r;

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "common.h"
+#include "cpu_pack.h"
 #include "cpu_threads.h"
 #include "kernels.h"
 
@@ -85,106 +86,6 @@ void codes_of(const float* xs, int64_t m, GroupParams p, float levels, float tin
       codes_run(xs + j, len, p, levels, key, high, e_low, q + j);
     }
   });
-}
-
-// NOTE [odd widths]
-// A chunk of 8 codes of B bits is B bytes: the 8 codes, one per byte of a uint64 in memory, low
-// B bits kept, become the low 8B bits of the packed word. Instead of moving the codes one at a
-// time (8 shifts, masks and ors per chunk each way) a word is compacted in three steps, each
-// merging neighbouring fields into one of twice the width: bytes into 16-bit lanes (2B bits),
-// those into 32-bit lanes (4B bits), those into the word (8B bits); unpacking runs the steps
-// backwards. Per group the words go through a buffer, computed by loops gcc vectorises (the
-// chunks are independent), and are stored or loaded at B-byte offsets by a plain loop. Packing
-// takes this path at 3, 5, 6 and 7 bits (1, 2 and 4 pack whole codes per byte), unpacking at
-// every width but 4 and 8. Same bytes as before (the reference tests compare every width byte
-// for byte); measured in BENCHMARKS.md ("Speed per save and per step").
-template <int B>
-GACT_HD uint64_t compact_chunk(uint64_t x) {
-  constexpr uint64_t kBytes = 0x00FF00FF00FF00FFull, kHalves = 0x0000FFFF0000FFFFull;
-  x = (x & kBytes) | ((x & ~kBytes) >> (8 - B));
-  x = (x & kHalves) | ((x & ~kHalves) >> (16 - 2 * B));
-  return (x & 0xFFFFFFFFull) | ((x >> 32) << (4 * B));
-}
-template <int B>
-GACT_HD uint64_t spread_chunk(uint64_t w) {
-  constexpr uint64_t k4 = (uint64_t{1} << (4 * B)) - 1, k2 = (uint64_t{1} << (2 * B)) - 1;
-  constexpr uint64_t k1 = (uint64_t{1} << B) - 1;
-  uint64_t x = (w & k4) | ((w << (32 - 4 * B)) & (k4 << 32));
-  constexpr uint64_t kPer32 = 0x0000000100000001ull, kPer16 = 0x0001000100010001ull;
-  x = (x & (k2 * kPer32)) | ((x << (16 - 2 * B)) & ((k2 << 16) * kPer32));
-  return (x & (k1 * kPer16)) | ((x << (8 - B)) & ((k1 << 8) * kPer16));
-}
-
-// Packed words of `chunks` chunks of codes (q: 8 * chunks bytes).
-template <int B>
-GACT_SIMD void compact_chunks(const uint8_t* __restrict q, int64_t chunks,
-                              uint64_t* __restrict words) {
-  for (int64_t c = 0; c < chunks; ++c) {
-    uint64_t codes;
-    std::memcpy(&codes, q + c * kChunk, kChunk);
-    words[c] = compact_chunk<B>(codes);
-  }
-}
-// Codes of `chunks` packed words, one byte each (q: 8 * chunks bytes).
-template <int B>
-GACT_SIMD void spread_chunks(const uint64_t* __restrict words, int64_t chunks,
-                             uint8_t* __restrict q) {
-  for (int64_t c = 0; c < chunks; ++c) {
-    const uint64_t codes = spread_chunk<B>(words[c]);
-    std::memcpy(q + c * kChunk, &codes, kChunk);
-  }
-}
-
-// Packs m codes (q readable and zero up to the next multiple of 8) into ceil(m*B/8) bytes;
-// `words`: room for ceil(m/8) words (3, 5, 6 and 7 bits only).
-template <int B>
-GACT_SIMD void pack_codes(const uint8_t* __restrict q, int64_t m, uint8_t* __restrict dst,
-                          uint64_t* __restrict words) {
-  if constexpr (8 % B == 0) {  // B in {1, 2, 4}: whole codes per byte
-    constexpr int per = 8 / B;
-    const int64_t bytes = (m + per - 1) / per;
-    for (int64_t i = 0; i < bytes; ++i) {
-      uint32_t byte = 0;
-      for (int k = 0; k < per; ++k) byte |= static_cast<uint32_t>(q[i * per + k]) << (k * B);
-      dst[i] = static_cast<uint8_t>(byte);
-    }
-  } else {  // B in {3, 5, 6, 7}: NOTE [odd widths]
-    const int64_t chunks = (m + kChunk - 1) / kChunk;
-    compact_chunks<B>(q, chunks, words);
-    // A chunk is stored with one 8-byte write while the write ends inside this group's bytes
-    // (its top 8 - B bytes are zeros that the next chunk overwrites); the last ones with B.
-    const int64_t bytes = (m * B + 7) / 8;
-    const int64_t wide = bytes < 8 ? 0 : (bytes - 8) / B + 1;
-    int64_t c = 0;
-    for (; c < wide; ++c) std::memcpy(dst + c * B, words + c, 8);
-    for (; c + 1 < chunks; ++c) std::memcpy(dst + c * B, words + c, B);
-    if (c < chunks) std::memcpy(dst + c * B, words + c, bytes - c * B);
-  }
-}
-
-// Unpacks ceil(m/8)*8 codes (q must have room for them); `words`: room for ceil(m/8) words
-// (every width but 4 and 8).
-template <int B>
-GACT_SIMD void unpack_codes(const uint8_t* __restrict src, int64_t m, uint8_t* __restrict q,
-                            uint64_t* __restrict words) {
-  if constexpr (B == 4) {  // one byte -> two codes vectorises best
-    const int64_t bytes = (m + 1) / 2;
-    for (int64_t i = 0; i < bytes; ++i) {
-      q[2 * i] = src[i] & 0xF;
-      q[2 * i + 1] = src[i] >> 4;
-    }
-  } else {  // B bytes -> 8 codes (one uint64): NOTE [odd widths]
-    const int64_t chunks = (m + kChunk - 1) / kChunk;
-    // One 8-byte read per chunk while it ends inside this group's bytes, fewer after.
-    const int64_t bytes = (m * B + 7) / 8;
-    const int64_t wide = bytes < 8 ? 0 : std::min(chunks, (bytes - 8) / B + 1);
-    for (int64_t c = 0; c < wide; ++c) std::memcpy(words + c, src + c * B, 8);
-    for (int64_t c = wide; c < chunks; ++c) {
-      words[c] = 0;
-      std::memcpy(words + c, src + c * B, std::min<int64_t>(B, bytes - c * B));
-    }
-    spread_chunks<B>(words, chunks, q);
-  }
 }
 
 GACT_SIMD void dequantize_run(const uint8_t* __restrict q, int64_t m, float lo, float scale,
@@ -395,6 +296,7 @@ void quantize_impl(const typename Elem<DT>::type* x, int64_t n, int64_t G, Strea
   const float levels = static_cast<float>((1 << B) - 1);
   constexpr float tiny = zero_exact_tiny<DT>();
   const bool tiled = tiled_runs(runs);  // NOTE [channel tiles]
+  const bool vbmi = vbmi_enabled();  // NOTE [odd widths]
 #pragma omp parallel num_threads(team_size(threads, n))
   {
     std::vector<float> fbuf((DT == kFloat32 && runs.run == 0) || tiled ? 0 : G);
@@ -433,7 +335,7 @@ void quantize_impl(const typename Elem<DT>::type* x, int64_t n, int64_t G, Strea
       } else {
         codes_of(xs, m, p, levels, tiny, key, first, qbuf.data());
         std::memset(qbuf.data() + m, 0, kChunk);
-        pack_codes<B>(qbuf.data(), m, dst, words.data());
+        pack_group<B>(vbmi, qbuf.data(), m, dst, words.data());
       }
     }
   }
@@ -447,6 +349,7 @@ void dequantize_impl(const uint8_t* data, const float* lo, const float* scale, i
   const int64_t groups = (n + G - 1) / G;
   constexpr float tiny = zero_exact_tiny<DT>();
   const bool tiled = tiled_runs(runs);  // NOTE [channel tiles]
+  const bool vbmi = vbmi_enabled();  // NOTE [odd widths]
 #pragma omp parallel num_threads(team_size(threads, n))
   {
     std::vector<uint8_t> qbuf(B == 8 ? 0 : G + kChunk);
@@ -459,7 +362,7 @@ void dequantize_impl(const uint8_t* data, const float* lo, const float* scale, i
       const int64_t first = g * G;
       const uint8_t* q = data + first / kChunk * B;
       if constexpr (B != 8) {
-        unpack_codes<B>(q, m, qbuf.data(), words.data());
+        unpack_group<B>(vbmi, q, m, data + (n * B + 7) / 8 - q, qbuf.data(), words.data());
         q = qbuf.data();
       }
       if constexpr (DT == kFloat32) {
@@ -558,6 +461,25 @@ int64_t quantize_cpu(const void* x, int dtype, int64_t n, int64_t group_size, in
   dispatch<Quantize>(dtype, bits, x, n, group_size, quantize_key(seed), zero_exact, out, lo,
                      scale, threads, Runs{});
   return lossless_groups(scale, (n + group_size - 1) / group_size);
+}
+
+bool vbmi_supported_cpu() {
+#if GACT_HAVE_VBMI
+  return vbmi_supported();
+#else
+  return false;
+#endif
+}
+
+bool use_vbmi_cpu(bool on) {
+  if (on && !vbmi_supported_cpu()) {
+    throw std::invalid_argument("use_vbmi: this CPU has no AVX-512 VBMI");
+  }
+#if GACT_HAVE_VBMI
+  return vbmi_flag().exchange(on);
+#else
+  return false;
+#endif
 }
 
 namespace {

@@ -19,6 +19,12 @@ int64_t quantize_cpu(const void* x, int dtype, int64_t n, int64_t group_size, in
 void dequantize_cpu(const uint8_t* data, const float* lo, const float* scale, int64_t n,
                     int64_t group_size, int bits, uint64_t seed, bool zero_exact, int dtype,
                     void* out, int threads);
+// Whether this CPU has the byte permutes (AVX-512 VBMI) of NOTE [odd widths] (cpu_pack.h), and
+// a switch between that path and the portable one (on by default where supported; both write
+// the same bytes). use_vbmi_cpu returns the previous setting and throws std::invalid_argument
+// when asked for VBMI on a CPU without it.
+bool vbmi_supported_cpu();
+bool use_vbmi_cpu(bool on);
 // The same on the channel-major block of NOTE [channel groups] (_layout.py), read from and
 // written to its tensor in place: x (out) is [outer][channels][inner] in memory; each
 // channel's outer * inner elements, padded to `run` (a multiple of group_size) by repeating

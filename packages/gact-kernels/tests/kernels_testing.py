@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import gact_kernels
 import pytest
@@ -10,11 +12,14 @@ import torch
 
 __all__ = [
     "DTYPES",
+    "PACKING_PATHS",
     "assert_within_one_step",
     "bits_equal",
     "expected_nbytes",
     "memory_flat",
+    "packing_path",
     "requires_cuda",
+    "requires_vbmi",
     "step_per_element",
 ]
 
@@ -24,6 +29,26 @@ requires_cuda = pytest.mark.skipif(
     not torch.cuda.is_available() or not gact_kernels.compiled_with_cuda(),
     reason="needs a CUDA device and the gact_kernels._cuda module",
 )
+
+
+#: The CPU kernels' two ways of packing codes (NOTE [odd widths] in csrc/cpu_pack.h).
+PACKING_PATHS = ("vbmi", "portable")
+
+requires_vbmi = pytest.mark.skipif(
+    not gact_kernels._cpu.vbmi_supported(), reason="needs a CPU with AVX-512 VBMI"
+)
+
+
+@contextlib.contextmanager
+def packing_path(path: str) -> Iterator[None]:
+    """Runs the CPU kernels on one packing path (skips the test where the CPU lacks VBMI)."""
+    if path == "vbmi" and not gact_kernels._cpu.vbmi_supported():
+        pytest.skip("this CPU has no AVX-512 VBMI")
+    before = gact_kernels._cpu.use_vbmi(path == "vbmi")
+    try:
+        yield
+    finally:
+        gact_kernels._cpu.use_vbmi(before)
 
 
 def expected_nbytes(n: int, bits: int, group_size: int, lossless: int, elem: int) -> int:

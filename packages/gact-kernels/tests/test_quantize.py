@@ -16,10 +16,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernels_testing import (
     DTYPES,
+    PACKING_PATHS,
     assert_within_one_step,
     bits_equal,
     expected_nbytes,
+    packing_path,
     requires_cuda,
+    requires_vbmi,
 )
 
 SHAPES = [(), (0,), (0, 5), (1,), (7,), (255,), (256,), (257,), (3, 5, 7), (2, 3, 4, 5, 6)]
@@ -48,17 +51,48 @@ def test_round_trip_within_one_step(bits: int, dtype: torch.dtype, shape: tuple)
     assert_within_one_step(x, q)
 
 
+@pytest.mark.parametrize("path", PACKING_PATHS)
 @pytest.mark.parametrize("group_size", [8, 64, 256, 1000, 4096])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("bits", range(1, 9))
-def test_matches_reference_bytes(bits: int, dtype: torch.dtype, group_size: int) -> None:
+def test_matches_reference_bytes(bits: int, dtype: torch.dtype, group_size: int, path: str) -> None:
     x = torch.randn(5 * group_size + 13, dtype=torch.float32).mul_(10).to(dtype)
-    q = gact_kernels.quantize(x, bits, group_size=group_size, seed=12345)
     r = reference_quantize(x, bits, group_size=group_size, seed=12345)
-    assert_same(q, r)
-    y = gact_kernels.dequantize(q)
-    assert bits_equal(y, reference_dequantize(r))
-    assert_within_one_step(x, q)
+    with packing_path(path):
+        q = gact_kernels.quantize(x, bits, group_size=group_size, seed=12345)
+        assert_same(q, r)
+        y = gact_kernels.dequantize(q)
+        assert bits_equal(y, reference_dequantize(r))
+        assert_within_one_step(x, q)
+
+
+@requires_vbmi
+@settings(max_examples=80, deadline=None)
+@given(
+    numel=st.integers(1, 2100),
+    bits=st.integers(1, 8),
+    group_size=st.sampled_from([8, 16, 24, 40, 64, 256, 1000]),
+    channels=st.sampled_from([None, 1, 3, 8]),
+    seed=st.integers(0, 2**64 - 1),
+)
+def test_packing_paths_agree(numel, bits, group_size, channels, seed) -> None:
+    """Both packing paths write the same bytes and read each other's, tails (a last group of
+    any length, a last chunk of fewer than 8 codes) and channel runs included."""
+    if channels is None:
+        x, channel_dim = torch.randn(numel), None
+    else:  # NCHW and channels-last maps, read as channel runs
+        x, channel_dim = torch.randn(2, channels, numel // (2 * channels) + 1, 3), 1
+        if seed % 2:
+            x = x.contiguous(memory_format=torch.channels_last)
+    kw = dict(group_size=group_size, seed=seed, channel_dim=channel_dim)
+    out = {}
+    for path in PACKING_PATHS:
+        with packing_path(path):
+            q = gact_kernels.quantize(x, bits, **kw)
+            out[path] = q, gact_kernels.dequantize(q)
+    (qv, yv), (qp, yp) = out["vbmi"], out["portable"]
+    assert_same(qv, qp)
+    assert bits_equal(yv, yp)
 
 
 @settings(max_examples=60, deadline=None)
@@ -168,6 +202,25 @@ def test_lossless_groups_lossless(bits: int, dtype: torch.dtype) -> None:
     assert bits_equal(y[:768], x[:768]) and bits_equal(y[1024:], x[1024:])
     assert_within_one_step(x, q)
     assert_same(q, reference_quantize(x, bits, seed=4))
+
+
+def test_half_rounding_of_tiny_levels_matches_reference() -> None:
+    """fp16 outputs of levels on every fp32 exponent from 2^-61 to 2^-14 (the subnormal half
+    grid, where the kernels round with integer shifts of the mantissa, left above 2^-33 and
+    right below): the same bits as the reference, with enough of the smallest rounded up to
+    say that those shifts ran."""
+    x = torch.zeros(1 << 20, dtype=torch.float16)
+    q = gact_kernels.quantize(x, 8, seed=7)
+    groups = q.lo.numel()  # levels q * scale, q = 0..255, scales 2^-61 .. 2^-22
+    scale = torch.exp2(-torch.linspace(61.0, 22.0, groups))
+    q = dataclasses.replace(q, lo=torch.zeros(groups), scale=scale)
+    q = dataclasses.replace(q, data=torch.arange(q.data.numel()).to(torch.uint8))
+    y, r = gact_kernels.dequantize(q), reference_dequantize(q)
+    assert bits_equal(y, r)
+    # Below 2^-33 (the right shifts) a level goes up with probability |v| * 2^24 < 2^-9: 75
+    # expected here, and fewer than 25 has a Poisson probability below 1e-10.
+    levels = q.data.float() * scale.repeat_interleave(256)
+    assert ((y != 0) & (levels < 2.0**-33)).sum() >= 25
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
