@@ -5,7 +5,7 @@ one batch's inputs and output gradients of every ``nn.Linear`` are captured, and
 alone is rounded (``--draws`` seeds, 2 and 4 bits) in four layouts:
 
 - groups of 256 in memory order (the original GACT's, and this project's for rank 2-3 saves
-  before NOTE [Feature groups] in gact/saved.py);
+  before NOTE [Feature groups] in gact/storing.py);
 - groups of 64 in memory order (a quarter of the group: four times the metadata);
 - feature groups: 256 rows of one feature per group (``channel_dim`` = the last dimension);
 - groups that never span two rows (``channel_dim=0``).

@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 from gact import ConfigError, Controller, GactConfig, GactWarning
 from gact.adapt import Adapter, Items, preference_tiers
+from gact.hooks import SaveHooks
 from gact.ledger import Kind
 from gact.plan import BitPlan
-from gact.saved import SavedCompressed, SaveHooks
+from gact.saved import SavedCompressed
 from models import make_case
 from runtime_helpers import fake_clocks, grads_of, make_closure, record_saves
 from torch import nn

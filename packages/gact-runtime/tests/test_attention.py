@@ -96,7 +96,7 @@ class _ScaledQueries(Attention):
 def test_a_save_shared_with_a_call_needing_more_bits_is_stored_for_each() -> None:
     """The queries, saved first by a product at the level's width, are saved again by the
     fused attention, which prefers 2 bits more (NOTE [Attention from its rounded inputs]): it
-    gets its own save at those bits, not the product's (NOTE [Aliased saves] in saved.py)."""
+    gets its own save at those bits, not the product's (NOTE [Aliased saves] in live.py)."""
     model, x = _ScaledQueries(), torch.randn(4, 32, 32)
     with Controller(model, GactConfig.from_level("L1", min_numel=0)) as controller:
         model(x).sum().backward()

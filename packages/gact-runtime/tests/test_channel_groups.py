@@ -218,7 +218,7 @@ def _feature_weight_grads(config: GactConfig | None, seeds: range) -> torch.Tens
 
 
 def test_linear_gradient_of_small_scale_features() -> None:
-    """NOTE [Feature groups] in saved.py: the weight gradient's column of each input feature,
+    """NOTE [Feature groups] in storing.py: the weight gradient's column of each input feature,
     its error's RMS over 8 rounding seeds relative to the column's own RMS, worst feature, at
     L1.2. Groups of 256 in memory order span four tokens' 64 features, so a feature of scale
     1e-3 is rounded with the step of one of scale 1: measured 208; grouped by feature, 1.20

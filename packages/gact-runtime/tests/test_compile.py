@@ -764,7 +764,7 @@ def _blocks_stats(
 def test_a_tensor_two_graphs_save_is_stored_once(backend: str) -> None:
     """Blocks compiled alone: each returns its tanh's output and saves it (tanh's backward
     reads it), and the next block (or the eager head) saves it again as its input. Stored once,
-    as in eager code (NOTE [Boundary saves] in saved.py): before, each save was its own
+    as in eager code (NOTE [Boundary saves] in live.py): before, each save was its own
     rounding, 1.7x (aot_eager) and 1.5x (inductor) the bytes, and ``stats()`` counted the
     tensor twice in what autograd would have held."""
     stats = {False: _blocks_stats(torch.tanh, None), True: _blocks_stats(torch.tanh, backend)}
@@ -960,7 +960,7 @@ def test_compiled_recomputation_never_decides_on_rounded_values() -> None:
     """Checkpointed blocks in a compiled model: the backward recomputes each block from its saved
     input, and the recomputed ReLU decides on ``input @ W + b``. Compressing that input would
     make those decisions on rounded values: the gradient is then biased (26% on such blocks in
-    eager code, NOTE [Checkpointed regions] in saved.py). The mean of the first block's weight
+    eager code, NOTE [Checkpointed regions] in hooks.py). The mean of the first block's weight
     gradient over 100 rounding seeds must lie within 5 standard errors of the fp32 one for every
     element (false-alarm probability below 1e-6 per element)."""
     model = _CheckpointedBlocks()

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gact import Controller, GactConfig, GactWarning
-from gact.saved import SaveHooks
+from gact.hooks import SaveHooks
 from runtime_helpers import grads_of, relative_error, requires_cuda
 from torch import nn
 

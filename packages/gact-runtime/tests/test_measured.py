@@ -71,7 +71,7 @@ def linear_readers() -> nn.Sequential:
 
 def feature_readers() -> nn.Sequential:
     """Linear readers of a 3-D input, a 3-D ReLU output and a 2-D one (``addmm``), 256 rows
-    each: at 2-3 bits their saves are grouped by feature (NOTE [Feature groups] in saved.py)."""
+    each: at 2-3 bits their saves are grouped by feature (NOTE [Feature groups] in storing.py)."""
     return nn.Sequential(
         _Reader(nn.Linear(32, 48), first=True),
         _Reader(nn.Linear(48, 24)),

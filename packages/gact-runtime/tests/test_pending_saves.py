@@ -1,5 +1,5 @@
 """Saves whose quantization has not reported its lossless groups yet (NOTE [Pending saves] in
-saved.py): at most ``MAX_PENDING`` wait, each is resolved before it is unpacked, and the
+hooks.py): at most ``MAX_PENDING`` wait, each is resolved before it is unpacked, and the
 gradients and the ledger are those of saves resolved at once.
 
 On a CUDA device the kernel reports through page-locked memory after an event; here, on the
@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gact import Controller, GactConfig
-from gact.saved import SaveHooks
+from gact.hooks import SaveHooks
 from runtime_helpers import deferred_quantize, grads_of
 from torch import nn
 

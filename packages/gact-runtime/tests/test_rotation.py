@@ -146,7 +146,7 @@ def test_rotation_is_judged_by_its_expected_error(
 
 
 def test_rotation_is_judged_against_feature_groups() -> None:
-    """A save grouped by features unrotated (NOTE [Feature groups] in saved.py) rotates only
+    """A save grouped by features unrotated (NOTE [Feature groups] in storing.py) rotates only
     where the rotation beats that layout: features of scales 1e-3 .. 1 no longer rotate (the
     rotation beats memory-order groups, not groups per feature); heavy tails still do."""
     gen = torch.Generator().manual_seed(0)

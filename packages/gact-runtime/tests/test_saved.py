@@ -11,8 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gact import Controller, GactConfig
+from gact.hooks import SaveHooks
 from gact.ledger import Kind
-from gact.saved import SavedCompressed, SavedKept, SavedView, SaveHooks
+from gact.saved import SavedCompressed, SavedKept, SavedView
 from models import CASES, make_case, ring_adjacency
 from runtime_helpers import make_closure, measured_step
 from torch import nn

@@ -18,12 +18,12 @@ import torch.distributed as dist
 from torch import nn
 
 from .errors import GactWarning
+from .hooks import SaveHooks
 from .ledger import Kind, SiteRecord
 from .measured import SensitivityMeter
 from .measured_norms import has_batch_norm
 from .plan import BitPlan, mix_seed
 from .probes import ProbeSession
-from .saved import SaveHooks
 
 __all__ = ["Adapter", "Items", "preference_tiers", "rank_zeros"]
 

@@ -24,7 +24,8 @@ from .compiled_sites import VIEWS, CompiledSite, SaveOutputs, add_kept, op_name
 from .errors import GactError
 
 if TYPE_CHECKING:
-    from .saved import Saved, SaveHooks
+    from .hooks import SaveHooks
+    from .saved import Saved
 
 __all__ = [
     "COMPILED_NODE",
@@ -92,7 +93,7 @@ __all__ = [
 #   (``CompileSettings``): everything but static inputs (parameters), as eager GACT compresses
 #   every save; a parameter that still arrives is kept (``SaveHooks.pack_site``). A tensor
 #   saved by one graph as its output and by the next as its input is stored once, as eager
-#   code stores it (NOTE [Boundary saves] in saved.py); ``Controller._on_compiled_return``
+#   code stores it (NOTE [Boundary saves] in live.py); ``Controller._on_compiled_return``
 #   warns when a compiled forward's saves reached no hook at all.
 # ``_SITES`` keeps the traced sites for the process's life (a compiled graph may run again as
 # long as its hooks' ids are installed: dynamo's guard), but a site refers to its controller's
@@ -298,7 +299,7 @@ class SaveHookModule(torch.fx.GraphModule):
         self.fn = fn
         # GraphModule gives each instance a class of its own, whose __call__ runs the graph.
         # A bound method is no descriptor: calling the module calls ``fn`` with no frame or
-        # binding in between (``_from_checkpoint`` in saved.py counts the frames to its caller).
+        # binding in between (``_from_checkpoint`` in hooks.py counts the frames to its caller).
         type(self).__call__ = fn
         never_compiled(fn)
 
@@ -431,13 +432,13 @@ class CompileClock:
 
 def pack_on_thread(tensor: torch.Tensor) -> Any:
     """``SaveHooks.pack`` of the innermost GACT hooks installed on this thread."""
-    from .saved import installed_hooks
+    from .hooks import installed_hooks
 
     return installed_hooks()[-1].pack(tensor)
 
 
 def unpack_on_thread(packed: Any) -> torch.Tensor:
     """``SaveHooks.unpack`` of the innermost GACT hooks installed on this thread."""
-    from .saved import installed_hooks
+    from .hooks import installed_hooks
 
     return installed_hooks()[-1].unpack(packed)

@@ -22,7 +22,7 @@ from .errors import GactError
 from .scope import dtype_name
 
 if TYPE_CHECKING:
-    from .saved import SaveHooks
+    from .hooks import SaveHooks
 
 __all__ = ["VIEWS", "CompiledSite", "SaveOutputs", "add_kept", "kept_sites", "op_name"]
 
@@ -45,7 +45,7 @@ __all__ = ["VIEWS", "CompiledSite", "SaveOutputs", "add_kept", "kept_sites", "op
 #   BatchNorm + ReLU, a checkpointed block's ``relu(x @ w)``), a comparison with another tensor,
 #   a divisor (recomputed or not), a reciprocal and a use GACT does not know keep the tensor as
 #   it is: rounding it would make the decision on rounded values, biased, not noisy (the 26% of
-#   NOTE [Checkpointed regions] in saved.py), and a divisor near 0 turns rounding into unbounded
+#   NOTE [Checkpointed regions] in hooks.py), and a divisor near 0 turns rounding into unbounded
 #   error. A divisor ``exp(...) + c`` with ``c > 0`` is never near 0: ``1 / (1 + exp(-x))`` is
 #   a sigmoid (torch 2.11's inductor writes SiLU's backward so), a smooth use. Per-row
 #   statistics (a trailing dimension of 1) are kept like eager code's; fused attention gives q
@@ -282,7 +282,7 @@ class CompiledSite:
             a parameter (a weight's transpose, which eager code keeps as the parameter it is
             a view of: ``SaveHooks.pack_site`` checks it too).
         graph_output: the saved node is, or is a view of, an output of its graph: a tensor the
-            code around the graph holds and may save again (NOTE [Boundary saves] in saved.py).
+            code around the graph holds and may save again (NOTE [Boundary saves] in live.py).
         log_probabilities: ``log_softmax``'s output, read only through ``exp``: stored as
             probabilities, as eager code stores it (NOTE [Log-probabilities] in decisions.py).
     """

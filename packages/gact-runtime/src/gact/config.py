@@ -102,7 +102,7 @@ class GactConfig:
             channels-last layouts) with groups that never span two channels of dim 1
             (NOTE [channel groups] in gact_kernels/_layout.py), tensors of rank 2 and 3 with
             groups that never span two features of the last dimension (NOTE [Feature groups]
-            in saved.py), and the inputs of LayerNorm and RMSNorm with groups that never span
+            in storing.py), and the inputs of LayerNorm and RMSNorm with groups that never span
             two rows (NOTE [Attention and row normalisations] in decisions.py): a channel's,
             feature's or row's precision then never depends on the range of another.
             ``False`` groups every tensor in memory order, as the original GACT did (it
@@ -125,7 +125,7 @@ class GactConfig:
             the region's recomputation, and the gradient it gives, stay exact; ``True`` saves
             their memory but makes the region's gradient that of its dequantized input, biased
             wherever the region decides (ReLU and the like: NOTE [Checkpointed regions] in
-            saved.py).
+            hooks.py).
 
     Example::
 

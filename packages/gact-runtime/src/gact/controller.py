@@ -18,12 +18,12 @@ from .adapt import Adapter, rank_zeros
 from .compiled_sites import CompiledSite
 from .config import GactConfig, get_config
 from .errors import ClosureError, GactWarning, HookStateError
+from .hooks import SaveHooks, installed_hooks
 from .ledger import Ledger
 from .measured import SensitivityMeter
 from .measured_compiled import measure_eagerly
 from .params import ParameterFilter
 from .plan import BitPlan, mix_seed
-from .saved import SaveHooks, installed_hooks
 from .scope import ScopeTracker
 from .swap import Swapper
 

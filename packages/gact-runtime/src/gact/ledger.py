@@ -149,7 +149,7 @@ class Ledger:
 
     def add_bytes(self, key: str, nbytes: int) -> None:
         """Count ``nbytes`` more stored for ``key`` in the open step (lossless groups that a
-        pending quantization turned out to need: NOTE [Pending saves] in saved.py)."""
+        pending quantization turned out to need: NOTE [Pending saves] in hooks.py)."""
         rec = self.current.get(key)
         if rec is not None:
             rec.stored_bytes += nbytes

@@ -14,9 +14,9 @@ from torch import nn
 from .probes import ProbeSession
 
 if TYPE_CHECKING:
+    from .hooks import SaveHooks
     from .measured import SensitivityMeter
     from .plan import BitPlan
-    from .saved import SaveHooks
     from .scope import ScopeTracker
 
 __all__ = ["Fingerprint", "fingerprint", "match", "measure_eagerly"]

@@ -15,8 +15,8 @@ from .ledger import Ledger
 from .plan import BitPlan, ProbeOverride, mix_seed
 
 if TYPE_CHECKING:
+    from .hooks import SaveHooks
     from .measured import SensitivityMeter
-    from .saved import SaveHooks
 
 __all__ = ["GradientSketch", "ProbeGuard", "ProbeSession"]
 

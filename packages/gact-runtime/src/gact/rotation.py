@@ -159,7 +159,7 @@ def rotation_is_better(
 ) -> bool:
     """Whether rotating contiguous ``data`` cuts the expected squared rounding error per element
     at ``bits`` below ``WORTH`` times that of its layout unrotated (groups in memory order, or
-    along ``feature_dim``, the last dimension: NOTE [Feature groups] in saved.py), judged on up
+    along ``feature_dim``, the last dimension: NOTE [Feature groups] in storing.py), judged on up
     to ``max_groups`` whole groups of each spread over it (non-finite ones: no)."""
     flat = data.detach().reshape(-1)
     groups = flat.numel() // group_size

@@ -37,7 +37,7 @@ __all__ = ["OUTSIDE", "Frame", "ScopeTracker", "dtype_name"]
 OUTSIDE = "<outside>"
 
 # Ticks order the entries into models across trackers, so that with nested controlled models the
-# innermost one running owns a save (see NOTE [Owners] in saved.py).
+# innermost one running owns a save (see NOTE [Owners] in hooks.py).
 _ticks = itertools.count(1)
 
 
