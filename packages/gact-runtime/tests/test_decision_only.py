@@ -15,7 +15,7 @@ from torch import nn
 Fn = Callable[[torch.Tensor], torch.Tensor]
 
 # every function whose backward reads its save only through comparisons with constants (the
-# rules with ``only_decisions`` in decisions.py), in place where PyTorch has it: in-place
+# rules with ``only_decisions`` in decision_rules.py), in place where PyTorch has it: in-place
 # versions save their output, the others their input
 DECIDING: dict[str, Fn] = {
     "relu": F.relu,

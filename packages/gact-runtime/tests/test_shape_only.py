@@ -1,4 +1,4 @@
-"""Saves whose values the backward never reads (NOTE [Shape-only saves] in decisions.py)."""
+"""Saves whose values the backward never reads (NOTE [Shape-only saves] in decision_rules.py)."""
 
 from __future__ import annotations
 

@@ -48,7 +48,7 @@ class Items:
         pinned: 1 for two-valued items (NOTE [Two-valued tensors]), else 0 (free).
         preferred: the width each item takes at least where the budget holds it (``lower``,
             or 2 more on small maps and for recomputed attention's queries and keys: NOTE
-            [Small maps] and NOTE [Attention and row normalisations] in decisions.py),
+            [Small maps] and NOTE [Attention and row normalisations] in decision_rules.py),
             yielding a bit at a time where it does not (NOTE [Preference tiers]).
         fixed_bytes: bytes the step stores outside the items (kept tensors, masks, packs).
         decided_numel, decided_bits: elements of the saves stored as their decisions alone,
@@ -153,7 +153,7 @@ class Items:
 # ``step()`` loop that never called ``iterate(closure)``, and so cannot probe, moves on to the
 # schedule's next adaptation.
 # Measured tensors alone are the GNN examples' whole story once their messages are stored as
-# shapes (NOTE [Shape-only saves] in decisions.py): GCN and GraphSAGE hold only their edge or
+# shapes (NOTE [Shape-only saves] in decision_rules.py): GCN and GraphSAGE hold only their edge or
 # degree normalisation, 0.1-7% of their elements.
 
 
@@ -447,7 +447,7 @@ class Adapter:
 
 
 # NOTE [Preference tiers]
-# Preferred widths (NOTE [Small maps] in decisions.py) yield to the budget a bit at a time: the
+# Preferred widths (NOTE [Small maps] in decision_rules.py) yield to the budget a bit at a time: the
 # allocation takes the first of ``preferred``, ``preferred - 1``, ... (never below ``lower``)
 # whose smallest storage fits, and allocates the rest of the budget above it by sensitivity.
 # Yielding all at once dropped every small map's extra bits as soon as the level or the

@@ -43,7 +43,7 @@ __all__ = ["RecomputedAttention", "recomputed", "recomputes"]
 # state as the caller's call would, so PyTorch picks the same kernel twice (its choice depends on
 # them); with dropout the backward replays the forward's random state (CPU and CUDA, as
 # ``torch.utils.checkpoint`` does). Not recomputed, and saved as before with the floor and the kept
-# log-sum-exp of NOTE [Attention and row normalisations] in decisions.py: calls under other
+# log-sum-exp of NOTE [Attention and row normalisations] in decision_rules.py: calls under other
 # saved-tensor hooks (a checkpointed region: its own recomputation covers them), at levels that
 # compress nothing, calls on PyTorch's math path (no fused kernel: dropout on the CPU, among
 # others; its ops save what they read, and recomputing it would redo its dropout mask and every

@@ -17,7 +17,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .decisions import ATTENTION_BITS
+from .decision_rules import ATTENTION_BITS
 from .errors import GactError
 from .scope import dtype_name
 
@@ -73,7 +73,7 @@ __all__ = ["VIEWS", "CompiledSite", "SaveOutputs", "add_kept", "kept_sites", "op
 # a sigmoid's ``exp(-x)``, a smooth use), every decomposed ``log_softmax``'s ``x - log(s)``,
 # and every clamp's input. The backward then reads the ReLU's output, stored on the zero-exact
 # grid, the softmax's numerator, read linearly, the log-probabilities, stored as probabilities
-# (NOTE [Log-probabilities] in decisions.py), and the clamp's decision mask, saved exactly; the
+# (NOTE [Log-probabilities] in decision_rules.py), and the clamp's decision mask, saved exactly; the
 # pre-activations, scores and logits are compressed like any other save. Same ResNet: 7.65x; a
 # RoBERTa's attention scores are no longer kept (7.18x against 5.23x, eager code 6.95x);
 # MobileNetV2 4.58x. The setting is global while any GACT hooks are installed, like
@@ -273,7 +273,7 @@ class CompiledSite:
         min_bits: its smallest width (fused attention's q and k).
         row_length: LayerNorm rows: groups never span two rows of this many elements (0: none).
         batch_norm_input: normalised by its batch's statistics per channel (NOTE [Small maps] in
-            decisions.py: on small maps it then takes more bits, as in eager code).
+            decision_rules.py: on small maps it then takes more bits, as in eager code).
         like: a meta tensor like the saved one (static shapes only): a kept site is counted
             in the ledger with it whenever its graph runs (``SaveHooks.pack_site``).
         graph_input: the saved node is an input of its graph, which may be a parameter
@@ -284,7 +284,7 @@ class CompiledSite:
         graph_output: the saved node is, or is a view of, an output of its graph: a tensor the
             code around the graph holds and may save again (NOTE [Boundary saves] in live.py).
         log_probabilities: ``log_softmax``'s output, read only through ``exp``: stored as
-            probabilities, as eager code stores it (NOTE [Log-probabilities] in decisions.py).
+            probabilities, as eager code stores it (NOTE [Log-probabilities] in decision_rules.py).
     """
 
     owner: weakref.ref[SaveHooks]
@@ -362,7 +362,7 @@ class CompiledSite:
         exp = placeholder if op_name(_aliased(node)) == "aten.exp" else None
         if _statistic(node) and not any(op_name(u) in _MATMULS for u, _, how in uses):
             return cls(keep="a per-row statistic", **site)  # not features pooled for a layer
-        if _log_softmax_output(_aliased(node)):  # NOTE [Log-probabilities] in decisions.py
+        if _log_softmax_output(_aliased(node)):  # NOTE [Log-probabilities] in decision_rules.py
             if all(_through_exp(use, position, how) for use, position, how in uses):
                 return cls(keep=None, log_probabilities=True, **site)
             return cls(keep="log-probabilities, read through exp and otherwise", **site)
@@ -438,7 +438,7 @@ def _less_a_saved_tensor(node: Any) -> bool:
     ``exp`` of it is then a softmax recomputed from the scores or logits (inductor's
     decomposition of ``log_softmax``'s backward: ``exp(x - amax - log(sum))``), biased
     by ``exp`` of the rounded ``x`` (``E exp(x + ε) > exp(x)``; an output layer's gradient came
-    out 0.23 off, as the log-domain rounding of NOTE [Log-probabilities] in decisions.py)."""
+    out 0.23 off, as the log-domain rounding of NOTE [Log-probabilities] in decision_rules.py)."""
     todo = [node]
     while todo:
         current = todo.pop()

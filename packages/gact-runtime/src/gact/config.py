@@ -103,7 +103,7 @@ class GactConfig:
             (NOTE [channel groups] in gact_kernels/_layout.py), tensors of rank 2 and 3 with
             groups that never span two features of the last dimension (NOTE [Feature groups]
             in storing.py), and the inputs of LayerNorm and RMSNorm with groups that never span
-            two rows (NOTE [Attention and row normalisations] in decisions.py): a channel's,
+            two rows (NOTE [Attention and row normalisations] in decision_rules.py): a channel's,
             feature's or row's precision then never depends on the range of another.
             ``False`` groups every tensor in memory order, as the original GACT did (it
             diverged on a ResNet-18 at 32x32, whose last stage has 1x1 maps: BENCHMARKS.md,

@@ -16,9 +16,9 @@ import gact_kernels
 import torch
 from torch import nn
 
-from . import compiled, decisions
+from . import compiled, decision_rules, decisions
 from .compiled_sites import CompiledSite, kept_sites
-from .decisions import DecisionSpec
+from .decision_spec import DecisionSpec
 from .errors import GactWarning
 from .ledger import Kind, Ledger
 from .live import LiveStorages, LiveTable, storage_address
@@ -254,8 +254,8 @@ class SaveHooks(Storing):
             precise_ids=frozenset({id(tensor)}),
             rows_id=id(tensor) if site.row_length else None,
             row_length=site.row_length,
-            extra_bits=decisions.BATCH_NORM_EXTRA_BITS  # as _batch_norm's rule in eager code
-            if site.batch_norm_input and decisions.small_channels(tensor)
+            extra_bits=decision_rules.BATCH_NORM_EXTRA_BITS  # as _batch_norm's rule in eager code
+            if site.batch_norm_input and decision_rules.small_channels(tensor)
             else 0,
             arguments=frozenset() if site.log_probabilities else None,  # stored as exp(tensor)
         )

@@ -11,8 +11,8 @@ import gact_kernels
 import gact_policy
 import torch
 
-from . import decisions, rotation
-from .decisions import BatchNormUse, DecisionSpec, LinearUse
+from . import decision_rules, decisions, rotation
+from .decision_spec import BatchNormUse, DecisionSpec, LinearUse
 from .measured_compiled import Fingerprint, fingerprint
 from .measured_norms import Normalised, Producer
 from .measured_pointwise import Curved, Rows
@@ -111,12 +111,12 @@ class SensitivityMeter:
         self._adopted: dict[str, float] = {}
 
     def start(self) -> None:
-        """Make linear calls publish their use (``decisions.measuring``) until ``stop()`` or
+        """Make linear calls publish their use (``decision_rules.measuring``) until ``stop()`` or
         until nothing holds the meter any more."""
-        decisions.set_measuring(self, True)
+        decision_rules.set_measuring(self, True)
 
     def stop(self) -> None:
-        decisions.set_measuring(self, False)
+        decision_rules.set_measuring(self, False)
         self._producers = ()
 
     def saved(

@@ -9,7 +9,7 @@ import gact_kernels
 import torch
 from torch import nn
 
-from .decisions import BatchNormUse, LinearUse
+from .decision_spec import BatchNormUse, LinearUse
 
 __all__ = ["Normalised", "Producer", "has_batch_norm"]
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from .decisions import LinearUse
+from .decision_spec import LinearUse
 from .measured_norms import _SLICES, _fp32
 from .pointwise import SECOND_DERIVATIVES
 

@@ -13,7 +13,8 @@ import gact_kernels
 import torch
 
 from . import decisions, pointwise, rotation
-from .decisions import DECISION_NODES, Decision, DecisionSpec
+from .decision_spec import DecisionSpec
+from .decisions import DECISION_NODES, Decision
 from .errors import GactError
 from .live import storage_address
 from .recomputed import ActivationCall
@@ -31,7 +32,7 @@ __all__ = [
 # ``pack`` returns a ``Saved``: ``SavedKept`` holds the tensor itself (parameters, buffers, small,
 # integer or float64 tensors, level L0, keys kept at full precision, saves outside the model's
 # forward); ``SavedCompressed`` owns the compressed payload; ``SavedShape`` holds a shape alone
-# (NOTE [Shape-only saves] in decisions.py); ``SavedDecisions`` the outcomes of comparisons
+# (NOTE [Shape-only saves] in decision_rules.py); ``SavedDecisions`` the outcomes of comparisons
 # (NOTE [Decision-only saves]); ``SavedView`` holds another save of its data (NOTE
 # [Aliased saves]). Autograd keeps that object alive
 # exactly as long as it would have kept the tensor, so there is no side table, no reference count
@@ -136,7 +137,7 @@ class SavedKept(Saved):
 
 class SavedShape(Saved):
     """A saved tensor whose backward reads only its shape: holds nothing else (NOTE
-    [Shape-only saves] in decisions.py). Unpacks to one NaN expanded to that shape."""
+    [Shape-only saves] in decision_rules.py). Unpacks to one NaN expanded to that shape."""
 
     __slots__ = ("shape", "witness")
 
@@ -167,7 +168,7 @@ class SavedShape(Saved):
 # off the device, which on a GPU waits for the forward so far, once per such save (few per step: a
 # first step's ReLU outputs, later those only the ReLU reads). Where nothing else reads the tensor
 # (a ResNet stem's ReLU output, which the max pooling reads for its shape alone: NOTE [Shape-only
-# saves] in decisions.py; a ReLU before dropout) that is 1 bit per element instead of the level's
+# saves] in decision_rules.py; a ReLU before dropout) that is 1 bit per element instead of the level's
 # width and group headers (4 zero-exact bits and more at L1), and the tensor is no item of the
 # allocation. Usually a later call saves the same tensor for its values (the next convolution): that
 # save compresses it then, as its first save would have been compressed (same key, occurrence, seed
@@ -232,7 +233,7 @@ class SavedCompressed(Saved):
         self.table: pointwise.DerivativeTable | None = None
         self.rotated: rotation.Rotated | None = None  # NOTE [Rotated groups]
         # the call whose log-probabilities are stored as probabilities (NOTE [Log-probabilities]
-        # in decisions.py): unpacked as their log, shared with that call's saves alone
+        # in decision_rules.py): unpacked as their log, shared with that call's saves alone
         self.logged_by: DecisionSpec | None = None
         # the dense block its elements fill as it unpacks, if they do (NOTE [Aliased saves]):
         # the storage's address, the offset of the first element, their count, contiguous

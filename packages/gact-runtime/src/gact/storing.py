@@ -10,9 +10,10 @@ from collections.abc import Callable
 import gact_kernels
 import torch
 
-from . import decisions, pointwise, rotation
+from . import decision_rules, decisions, pointwise, rotation
 from .config import GactConfig
-from .decisions import Decision, DecisionSpec
+from .decision_spec import DecisionSpec
+from .decisions import Decision
 from .ledger import Kind, Ledger, occupied_bytes
 from .plan import BitPlan
 from .recomputed import ActivationCall
@@ -151,7 +152,7 @@ class Storing:
         candidate = spec is not None and spec.derivative_id == id(tensor)
         data = (tensor if compact is None else compact).detach()  # no autograd history below
         logged = spec is not None and compact is None and spec.log_probabilities(tensor)
-        if logged:  # NOTE [Log-probabilities] in decisions.py
+        if logged:  # NOTE [Log-probabilities] in decision_rules.py
             data = data.exp()
         if tensor.dtype is torch.bool:
             payload: gact_kernels.Compressed = gact_kernels.pack_mask(data)
@@ -175,7 +176,7 @@ class Storing:
                 floor = 0 if spec is None else spec.bits_floor(tensor)
                 preferred = max(
                     0 if spec is None else spec.preferred_bits(tensor, nominal),
-                    decisions.small_map_bits(data, nominal),
+                    decision_rules.small_map_bits(data, nominal),
                 )
             bits = max(bits, floor, 0 if self.plan.allocated(key) else preferred)
             plan = self.plan
@@ -310,7 +311,7 @@ def _row_length(
     spec: DecisionSpec | None, tensor: torch.Tensor, data: torch.Tensor, config: GactConfig
 ) -> int | None:
     """Elements per row when ``tensor`` is quantized in groups that never span two rows (NOTE
-    [Attention and row normalisations] in decisions.py), else ``None``."""
+    [Attention and row normalisations] in decision_rules.py), else ``None``."""
     if (
         spec is None
         or spec.rows_id != id(tensor)
@@ -339,7 +340,7 @@ def _row_length(
 # groups] in gact_kernels/_layout.py), which the ledger counts at 8 bits per padded element
 # (700 rows: 0.50 bits per element counted, against 0.25). Features need at least half a group
 # of rows each (fewer would pay a group header for each). Row groups (norm inputs, NOTE
-# [Attention and row normalisations] in decisions.py) and rotated saves (heavy tails, NOTE
+# [Attention and row normalisations] in decision_rules.py) and rotated saves (heavy tails, NOTE
 # [Rotated groups] in rotation.py, now judged against feature groups) keep their layouts.
 # Only at levels whose nominal width is at most FEATURE_GROUP_BITS (L1.2, L2.1, L2.2): gathering
 # a feature's rows costs the kernels 1.7-2x their memory-order time (an L1 step of transformers'
