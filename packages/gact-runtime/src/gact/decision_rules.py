@@ -192,20 +192,20 @@ def _cosine_similarity(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionS
 
 
 # NOTE [Log-probabilities]
-# ``log_softmax`` saves its output ``l`` and its backward reads it through ``exp``:
-# ``g - exp(l) * sum(g)``. Rounded in the log domain, a step of a few nats (a row of a trained
-# language model's log-probabilities spans tens) makes ``exp`` of the rounded value biased
-# (convex: the mean of ``exp`` over the two neighbouring levels exceeds ``exp`` of the mean):
-# with confident predictions an output layer's gradient came out 12-20% off (relative norm),
-# however many seeds were averaged. So the save is stored as the probabilities ``p = exp(l)``, rounded unbiasedly,
-# and unpacks to ``log(p)``: the backward's ``exp(log(p))`` is ``p`` (a ``p`` rounded to 0
-# unpacks to ``-inf``, and ``exp(-inf) = 0``), linear in the stored values, so the gradient is
-# unbiased. ``nll_loss`` (inside ``cross_entropy`` too) saves the same tensor and reads only its
-# shape, so it shares the save; a save made by any other call never shares it (its values are
-# not the tensor's). ``F.cross_entropy`` is where language models' losses compute it, inside the
-# model when ``labels=`` is passed to a transformers model. ``logsumexp`` reads ``exp(x - r)``
-# from two saves, its input and its result, which no single stored tensor gives: both are kept
-# (on rows of 1,000 logits spanning tens of nats its gradient was 1.6 off, relative norm).
+# ``log_softmax`` saves its output ``l`` and its backward reads it through ``exp``: ``g - exp(l) *
+# sum(g)``. Rounded in the log domain, a step of a few nats (a row of a trained language model's
+# log-probabilities spans tens) makes ``exp`` of the rounded value biased (convex: the mean of
+# ``exp`` over the two neighbouring levels exceeds ``exp`` of the mean): with confident predictions
+# an output layer's gradient came out 12-20% off (relative norm), however many seeds were averaged.
+# So the save is stored as the probabilities ``p = exp(l)``, rounded unbiasedly, and unpacks to
+# ``log(p)``: the backward's ``exp(log(p))`` is ``p`` (a ``p`` rounded to 0 unpacks to ``-inf``, and
+# ``exp(-inf) = 0``), linear in the stored values, so the gradient is unbiased. ``nll_loss`` (inside
+# ``cross_entropy`` too) saves the same tensor and reads only its shape, so it shares the save; a
+# save made by any other call never shares it (its values are not the tensor's). ``F.cross_entropy``
+# is where language models' losses compute it, inside the model when ``labels=`` is passed to a
+# transformers model. ``logsumexp`` reads ``exp(x - r)`` from two saves, its input and its result,
+# which no single stored tensor gives: both are kept (on rows of 1,000 logits spanning tens of nats
+# its gradient was 1.6 off, relative norm).
 def _log_probabilities(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
     return DecisionSpec(arguments=frozenset(map(id, tensors)))
@@ -516,7 +516,8 @@ def _rules() -> dict[Callable[..., Any], _Rule]:
         add(exact, getattr(torch, name, None), getattr(T, name, None))
     add(_grid, F.grid_sample)
     add(_log_probabilities, F.log_softmax, torch.log_softmax, T.log_softmax, F.cross_entropy)
-    # logsumexp: its backward reads exp(x - result), biased from rounded x (NOTE [Log-probabilities])
+    # logsumexp: its backward reads exp(x - result), biased from rounded x (NOTE
+    # [Log-probabilities])
     add(exact, torch.logsumexp, T.logsumexp, torch.special.logsumexp)
     add(_shape_only(0, "input"), F.nll_loss)  # reads its input for the shape of the gradient
     # Python composites DecisionMode sees as one call: what their inner calls decide or divide

@@ -70,20 +70,19 @@ class LiveTable:
 
 
 # NOTE [Boundary saves]
-# A tensor a compiled graph returns and saves (a block ending in ReLU), and that the next graph
-# or eager code saves again (the next block's first layer), reaches the hooks as two different
-# Python objects, both aliases of one storage: AOTAutograd saves a ``detach`` of the output,
-# and a graph's input may arrive as an alias of the caller's tensor. ``LiveTable``, keyed by
-# object, does not see them as one, so such a tensor was stored twice, as two independent
-# roundings (four tanh blocks compiled alone stored 1.7x, under aot_eager, and 1.5x, under
-# inductor, what eager code stores; ``stats()`` counted it twice in the bytes autograd would
-# hold, too). ``LiveStorages`` maps the saves at a compiled graph's boundary (its inputs and
-# outputs), and while any compiled graph has saved, eager saves too, by storage, offset, shape,
-# strides and dtype, to what their first save stored. Only boundaries: compiled code reuses an intermediate's buffer, unseen by
-# its version counter, once its save is packed, but never an output it returned nor an input it
-# was given. A weak reference to the storage keeps its address from being reused while the
-# entry lives and tells when it died; the version counter, shared by every alias, tells an
-# in-place change.
+# A tensor a compiled graph returns and saves (a block ending in ReLU), and that the next graph or
+# eager code saves again (the next block's first layer), reaches the hooks as two different Python
+# objects, both aliases of one storage: AOTAutograd saves a ``detach`` of the output, and a graph's
+# input may arrive as an alias of the caller's tensor. ``LiveTable``, keyed by object, does not see
+# them as one, so such a tensor was stored twice, as two independent roundings (four tanh blocks
+# compiled alone stored 1.7x, under aot_eager, and 1.5x, under inductor, what eager code stores;
+# ``stats()`` counted it twice in the bytes autograd would hold, too). ``LiveStorages`` maps the
+# saves at a compiled graph's boundary (its inputs and outputs), and while any compiled graph has
+# saved, eager saves too, by storage, offset, shape, strides and dtype, to what their first save
+# stored. Only boundaries: compiled code reuses an intermediate's buffer, unseen by its version
+# counter, once its save is packed, but never an output it returned nor an input it was given. A
+# weak reference to the storage keeps its address from being reused while the entry lives and tells
+# when it died; the version counter, shared by every alias, tells an in-place change.
 
 # NOTE [Aliased saves]
 # Eager code saves aliases too: a linear layer on a 3-D input saves its own 2-D view of it

@@ -168,11 +168,11 @@ class SavedShape(Saved):
 # off the device, which on a GPU waits for the forward so far, once per such save (few per step: a
 # first step's ReLU outputs, later those only the ReLU reads). Where nothing else reads the tensor
 # (a ResNet stem's ReLU output, which the max pooling reads for its shape alone: NOTE [Shape-only
-# saves] in decision_rules.py; a ReLU before dropout) that is 1 bit per element instead of the level's
-# width and group headers (4 zero-exact bits and more at L1), and the tensor is no item of the
-# allocation. Usually a later call saves the same tensor for its values (the next convolution): that
-# save compresses it then, as its first save would have been compressed (same key, occurrence, seed
-# and spec; the decisions the first call's backward consumes, less the mask the zero-exact grid
+# saves] in decision_rules.py; a ReLU before dropout) that is 1 bit per element instead of the
+# level's width and group headers (4 zero-exact bits and more at L1), and the tensor is no item of
+# the allocation. Usually a later call saves the same tensor for its values (the next convolution):
+# that save compresses it then, as its first save would have been compressed (same key, occurrence,
+# seed and spec; the decisions the first call's backward consumes, less the mask the zero-exact grid
 # makes needless), the first save unpacks that payload, and the masks are freed, so the step stores
 # and rounds exactly what it did before; a save of a view of it (a classifier's flattened input)
 # likewise, held as that payload (NOTE [Aliased saves]). The key joins ``BitPlan.value_read`` and is
