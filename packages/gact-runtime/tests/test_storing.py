@@ -1,0 +1,60 @@
+"""How a new save is stored (storing.py): the rules of feature groups, expanded views and the
+metadata the allocator is told about, checked on their own."""
+
+from __future__ import annotations
+
+import gact_kernels
+import pytest
+import torch
+from gact import GactConfig
+from gact.storing import FEATURE_GROUP_BITS, _compact, _metadata_bits, _two_valued, feature_dim
+
+
+@pytest.mark.parametrize("width", [2, FEATURE_GROUP_BITS])
+def test_feature_groups_for_stacks_of_feature_vectors_at_low_widths(width: int) -> None:
+    config = GactConfig()  # group size 256
+    assert feature_dim(torch.randn(128, 64), config, width) == 1
+    assert feature_dim(torch.randn(4, 32, 64), config, width) == 2
+    # not above FEATURE_GROUP_BITS, nor without channel groups
+    assert feature_dim(torch.randn(128, 64), config, FEATURE_GROUP_BITS + 1) is None
+    assert feature_dim(torch.randn(128, 64), GactConfig(channel_groups=False), width) is None
+    # rank 4 is a channel map's (channel groups), rank 1 has no features
+    assert feature_dim(torch.randn(2, 8, 8, 8), config, width) is None
+    assert feature_dim(torch.randn(4096), config, width) is None
+    # fewer rows than half a group per feature, one feature, or gaps in memory
+    assert feature_dim(torch.randn(127, 64), config, width) is None
+    assert feature_dim(torch.randn(128, 1), config, width) is None
+    assert feature_dim(torch.randn(64, 128).t(), config, width) is None
+
+
+def test_an_expanded_view_is_stored_by_its_base() -> None:
+    base = torch.randn(3, 1, 5)
+    expanded = base.expand(3, 4, 5)
+    compact = _compact(expanded)
+    assert compact is not None and compact.shape == (3, 1, 5)
+    assert compact.data_ptr() == base.data_ptr() and torch.equal(compact, base)
+    assert _compact(base) is None  # contiguous: nothing repeated
+    assert _compact(torch.randn(5, 6).t()) is None  # strided, but no stride-0 repeats
+    assert _compact(torch.randn(5, 1).expand(5, 1)) is None  # stride 0 only on a size-1 dim
+
+
+def test_two_valued_tensors() -> None:
+    assert _two_valued(torch.tensor([0.0, 2.0, 2.0, 0.0]))  # a dropout mask's scale
+    assert _two_valued(torch.full((7,), 3.0))  # constant
+    assert not _two_valued(torch.tensor([0.0, 1.0, 2.0]))
+    assert not _two_valued(torch.tensor([0.0, float("nan")]))
+    assert not _two_valued(torch.empty(0))
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_metadata_counts_headers_and_channel_padding(bits: int) -> None:
+    flat = gact_kernels.quantize(torch.randn(1024), bits, seed=0)
+    # 4 groups of 256: one fp32 lo and scale each, 64 bits per group, 0.25 per element
+    assert _metadata_bits(flat, flat.nbytes) == pytest.approx(0.25)
+    # channels of 100 elements padded to groups of 104 (the kernels' layout): 4 padded elements
+    # per channel counted at 8 bits, beside one header per channel
+    x = torch.randn(1, 10, 10, 10)
+    maps = gact_kernels.quantize(x, bits, group_size=104, seed=0, channel_dim=1)
+    assert maps.stored_numel == 10 * 104
+    expected = (10 * 64 + 8 * 10 * 4) / x.numel()
+    assert _metadata_bits(maps, maps.nbytes) == pytest.approx(expected)
