@@ -34,8 +34,9 @@ namespace {  // included by cpu.cpp only
 //   Packing takes it at 3, 5, 6 and 7 bits (1, 2 and 4 pack whole codes per byte), unpacking
 //   at every width but 4 and 8.
 // * VBMI path (every width but 4 and 8, on CPUs with AVX-512 VBMI): 64 codes (8 chunks) per
-//   512-bit register. Packing compacts the 8 words in the register, then one byte permutation
-//   (vpermb) gathers the low B bytes of each into 8B consecutive bytes. Unpacking permutes
+//   512-bit register. Packing compacts the 8 words in the register (compact_chunk on a vector
+//   of words), then one byte permutation (vpermb) gathers the low B bytes of each into 8B
+//   consecutive bytes. Unpacking permutes
 //   chunk c's B bytes into word c, then one multishift (vpmultishiftqb) takes the 8 bits at
 //   offset j*B of word c into byte j, of which the low B bits are kept. Loads and stores are
 //   whole 64 bytes where those bytes are the group's to write (the packed bytes past 8B are
@@ -44,12 +45,16 @@ namespace {  // included by cpu.cpp only
 //   group's bytes, which another thread may be writing. Masked stores throughout cost more than
 //   they saved on the AMD EPYC VM: a 7-bit dequantize took 1.4x the portable path's.
 // The reference tests compare every width byte for byte on both paths (use_vbmi switches).
-template <int B>
-GACT_HD uint64_t compact_chunk(uint64_t x) {
+
+// Compacts `x` in place. `W`: one word (uint64_t), or a vector of them (the VBMI path compacts 8
+// words at once). By reference: a 512-bit vector passed or returned by value has another ABI
+// in each SIMD clone, which gcc warns about.
+template <int B, typename W>
+GACT_HD void compact_chunk(W& x) {
   constexpr uint64_t kBytes = 0x00FF00FF00FF00FFull, kHalves = 0x0000FFFF0000FFFFull;
   x = (x & kBytes) | ((x & ~kBytes) >> (8 - B));
   x = (x & kHalves) | ((x & ~kHalves) >> (16 - 2 * B));
-  return (x & 0xFFFFFFFFull) | ((x >> 32) << (4 * B));
+  x = (x & 0xFFFFFFFFull) | ((x >> 32) << (4 * B));
 }
 template <int B>
 GACT_HD uint64_t spread_chunk(uint64_t w) {
@@ -68,7 +73,8 @@ GACT_SIMD void compact_chunks(const uint8_t* __restrict q, int64_t chunks,
   for (int64_t c = 0; c < chunks; ++c) {
     uint64_t codes;
     std::memcpy(&codes, q + c * kChunk, kChunk);
-    words[c] = compact_chunk<B>(codes);
+    compact_chunk<B>(codes);
+    words[c] = codes;
   }
 }
 // Codes of `chunks` packed words, one byte each (q: 8 * chunks bytes).
@@ -171,6 +177,9 @@ struct Index {
 template <int B>
 constexpr Index<B> kIndex{};
 
+// Eight packed words in one register, as GCC's vector extension (unsigned lanes: logical shifts).
+typedef uint64_t Words __attribute__((vector_size(64)));
+
 // The low `n` bits set (n <= 64).
 inline __mmask64 first_bytes(int64_t n) { return n >= 64 ? ~__mmask64{0} : (__mmask64{1} << n) - 1; }
 
@@ -178,19 +187,12 @@ template <int B>
 GACT_VBMI void pack_codes_vbmi(const uint8_t* __restrict q, int64_t m, uint8_t* __restrict dst) {
   const int64_t bytes = (m * B + 7) / 8, codes = (m + kChunk - 1) / kChunk * kChunk;
   const __m512i perm = _mm512_load_si512(kIndex<B>.pack);
-  const __m512i k_bytes = _mm512_set1_epi64(0x00FF00FF00FF00FFll);
-  const __m512i k_halves = _mm512_set1_epi64(0x0000FFFF0000FFFFll);
-  const __m512i k_low = _mm512_set1_epi64(0xFFFFFFFFll);
   for (int64_t i = 0, o = 0; o < bytes; i += 64, o += 8 * B) {
     __m512i x = i + 64 <= codes ? _mm512_loadu_si512(q + i)
                                 : _mm512_maskz_loadu_epi8(first_bytes(codes - i), q + i);
-    x = _mm512_or_si512(_mm512_and_si512(x, k_bytes),
-                        _mm512_srli_epi64(_mm512_andnot_si512(k_bytes, x), 8 - B));
-    x = _mm512_or_si512(_mm512_and_si512(x, k_halves),
-                        _mm512_srli_epi64(_mm512_andnot_si512(k_halves, x), 16 - 2 * B));
-    x = _mm512_or_si512(_mm512_and_si512(x, k_low),
-                        _mm512_slli_epi64(_mm512_srli_epi64(x, 32), 4 * B));
-    x = _mm512_permutexvar_epi8(perm, x);
+    Words words = (Words)x;
+    compact_chunk<B>(words);
+    x = _mm512_permutexvar_epi8(perm, (__m512i)words);
     if (o + 64 <= bytes) {  // the bytes past 8B belong to the next iterations, which rewrite them
       _mm512_storeu_si512(dst + o, x);
     } else {
