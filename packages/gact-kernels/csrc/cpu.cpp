@@ -283,7 +283,13 @@ void scatter_run(const T* buf, const Runs& r, int64_t first, int64_t m, T* out) 
   }
   for (; k < m && o < r.outer; ++o, i = 0) {
     const int64_t take = std::min(r.inner - i, m - k);
-    std::memcpy(out + o * stride + c * r.inner + i, buf + k, take * sizeof(T));
+    T* dst = out + o * stride + c * r.inner + i;
+    const T* src = buf + k;
+    // fixed-size copies, inlined: a memcpy call per piece made small NCHW maps (2x2: 64 pieces
+    // of 4 elements per group) dequantize 1.2x slower
+    int64_t t = 0;
+    for (; t + 8 <= take; t += 8) std::memcpy(dst + t, src + t, 8 * sizeof(T));
+    for (; t < take; ++t) dst[t] = src[t];
     k += take;
   }
 }

@@ -23,7 +23,8 @@ LAYOUTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 SHAPES = {
     "1x1 maps, batch 64": (128, 40, 1, 1),
     "1x1 maps, batch 50 (padded runs)": (50, 24, 1, 1),
-    "3x3 maps, batch 7 (two groups per run)": (7, 16, 3, 4),
+    "3x4 maps, batch 7 (two groups per run)": (7, 16, 3, 4),
+    "5x7 maps, batch 3 (maps cut by groups)": (3, 8, 5, 7),
 }
 
 
