@@ -20,8 +20,9 @@ import torch._inductor.config
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from .compiled_sites import VIEWS, CompiledSite, SaveOutputs, add_kept, op_name
+from .compiled_sites import CompiledSite, SaveOutputs, add_kept
 from .errors import GactError
+from .graph_reads import VIEWS, op_name
 
 if TYPE_CHECKING:
     from .hooks import SaveHooks
