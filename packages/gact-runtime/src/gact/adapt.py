@@ -142,14 +142,14 @@ class Items:
 # Measuring costs a fraction of a step; probing costs whole forward and backward passes, which
 # the time budget (NOTE [Adaptation schedule] in gact_policy) may not afford for many steps:
 # 4 probe runs take 100 steps of a 5% budget, the length of a GNN's whole training. So a step
-# that measured (NOTE [Measuring steps] in controller.py) and cannot afford the probes, or
+# that measured (NOTE [Measuring steps] in pacing.py) and cannot afford the probes, or
 # that has no closure to probe with (``controller.step()`` loops), still adapts: the tensors
 # it measured share the bits left by the others, which are *held* at their widths (pinned in
 # the allocation, their sensitivities unchanged). That allocation is the best one for the
 # measured tensors, whose sensitivities are exact, given the held ones' widths. The probing
 # adaptation stays due (``last_step`` does not move) and runs once the budget affords it;
 # meanwhile the measured tensors are measured and re-allocated again on the schedule's steps
-# counted from the last adaptation of any kind (NOTE [Measuring steps] in controller.py). A
+# counted from the last adaptation of any kind (NOTE [Measuring steps] in pacing.py). A
 # ``step()`` loop that never called ``iterate(closure)``, and so cannot probe, moves on to the
 # schedule's next adaptation.
 # Measured tensors alone are the GNN examples' whole story once their messages are stored as

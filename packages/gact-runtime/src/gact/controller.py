@@ -22,6 +22,7 @@ from .hooks import SaveHooks, installed_hooks
 from .ledger import Ledger
 from .measured import SensitivityMeter
 from .measured_compiled import measure_eagerly
+from .pacing import Pacing
 from .params import ParameterFilter
 from .plan import BitPlan, mix_seed
 from .scope import ScopeTracker
@@ -126,21 +127,19 @@ class Controller:
         self.hooks.on_compiled = self._on_compiled
         self.hooks.on_unknown_use = self._on_unknown_use
         self.adapter = Adapter(model, self.plan, self.hooks)
+        self.pacing = Pacing(self.plan, self.adapter, self.hooks, self.ledger)
         self._context: torch.autograd.graph.saved_tensors_hooks | None = None
         self._thread: int | None = None
         self._ever_installed = False
         if not isinstance(explicit_steps, bool):
             raise TypeError(f"explicit_steps must be a bool, got {explicit_steps!r}")
         self._explicit_steps = explicit_steps  # no automatic steps (NOTE [Steps])
-        self._probe_fraction = 1.0  # the last iterate()'s: predicts a first adaptation's cost
         self._iterated = False  # iterate() ran: probes can come (NOTE [Held tensors] in adapt.py)
         self._last_boundary = "none"
         self._unpacked_at_forward = 0
         self._recorded_at_forward = 0
         self._unpacked_at_boundary = 0
         self._step_started = time.perf_counter()
-        self._step_seconds = 0.0
-        self._unmeasured: int | None = None  # items the last meter left to probes
         self._warned: set[str] = set()
 
     # ----------------------------------------------------------------- configuration
@@ -305,7 +304,7 @@ class Controller:
             self._end_step("auto")
         self._unpacked_at_forward = self.hooks.unpacked
         self._recorded_at_forward = self.ledger.recorded
-        self._arm()
+        self.pacing.arm()
 
     def _on_compiled_return(self, output: object) -> None:
         # A compiled forward that builds an autograd graph saves tensors; if none reached
@@ -398,7 +397,7 @@ class Controller:
             raise HookStateError("iterate() called before install_hook()")
         if not 0.0 < probe_fraction <= 1.0:
             raise ValueError(f"probe_fraction must be in (0, 1], got {probe_fraction!r}")
-        self._probe_fraction = probe_fraction
+        self.pacing.probe_fraction = probe_fraction
         self._explicit_steps = True
         self._iterated = True
         ran_backward = self.ledger.current and self.hooks.unpacked > self._unpacked_at_boundary
@@ -411,9 +410,9 @@ class Controller:
                 raise
         try:
             self._measure_compiled(closure)
-            adapting = self._adapting()
+            adapting = self.pacing.adapting()
             if adapting is not None:
-                meter = self._disarm()
+                meter = self.pacing.disarm()
                 probes = probe_closure or closure if adapting == "probes" else None
                 self.adapter.adapt(probes, self.ledger.current, self.run_closure, meter)
         finally:  # a failed adaptation still ends the step the real closure completed
@@ -426,113 +425,14 @@ class Controller:
         [Adaptation schedule] in gact_policy, and NOTE [Prior allocation] in adapt.py): the
         schedule says so and the time budget affords them. A measuring step that cannot
         afford them still adapts the tensors it measured (NOTE [Held tensors] in adapt.py)."""
-        if not self._scheduled():
-            return False
-        if self.plan.step == 0:
-            return True  # the original GACT's schedule: nothing to charge it against yet
-        meter = self.hooks.meter
-        if meter is not None:  # the step measured what it could (spent): the rest needs probes
-            return self._affordable(self.adapter.unmeasured(self.ledger.current, meter))
-        return self._affordable(None)
-
-    def _affordable(self, probed: int | None) -> bool:
-        """Whether the time budget affords an adaptation that probes ``probed`` items
-        (``None``: as many as the last adaptation, or every item before any; 0: one that only
-        measures, at the cost of the last one that did)."""
-        cfg, adapter = self.config, self.adapter
-        trained = self._trained_seconds()
-        per_step = trained / max(self.plan.step, 1)
-        if probed is None or (probed and adapter.last_probed):
-            cost = adapter.last_seconds or adapter.predicted_cost(per_step, self._probe_fraction)
-        elif probed == 0:  # the measurement is not free: the last measuring one's cost
-            cost = adapter.last_held_seconds if adapter.last_probed else adapter.last_seconds
-        else:
-            cost = adapter.predicted_cost(per_step, self._probe_fraction, probed)
-        return cfg.schedule.affordable(
-            adapted_seconds=adapter.seconds, trained_seconds=trained, cost_seconds=cost
-        )
-
-    def _trained_seconds(self) -> float:
-        """Seconds between step boundaries spent on anything but adapting and compiling (NOTE
-        [Compile time] in compiled.py)."""
-        compiling = self.hooks.compile_clock.seconds - self.adapter.compile_seconds
-        return self._step_seconds - self.adapter.seconds - compiling
-
-    def _scheduled(self) -> bool:
-        """Whether the schedule alone makes the open step an adaptation's (the time budget
-        aside): the same on every rank."""
-        cfg, adapter, step = self.config, self.adapter, self.plan.step
-        if not cfg.spec.adaptive:
-            return False
-        if step == 0:
-            return cfg.adapt_first_gap == 0  # the original GACT's schedule
-        last = 0 if adapter.last_step is None else adapter.last_step
-        return cfg.schedule.due(step, last=last)
-
-    def _adapting(self) -> str | None:
-        """How the open step adapts, rank 0's choice under torch.distributed (the budget check
-        reads each rank's own clock; ranks that disagreed would wait for each other's probes
-        forever): ``"probes"`` when due and affordable, ``"measured"`` when it measured but
-        cannot afford the probes (NOTE [Held tensors] in adapt.py), else ``None``."""
-        if not self._scheduled():
-            return None
-        if self.adaptation_due:
-            adapting: str | None = "probes"
-        else:
-            adapting = "measured" if self.hooks.meter is not None else None
-        return rank_zeros(adapting)
-
-    # NOTE [Measuring steps]
-    # A step is measured (NOTE [Measured sensitivities] in measured.py) when the schedule makes
-    # it an adaptation's and the adaptation it serves looks affordable: the first time always
-    # (it tells which tensors need probes), then when the budget affords probing the tensors
-    # the last measurement left to probes, and, while those probes wait for the budget, on the
-    # schedule's steps counted from the last adaptation of any kind (first_gap, twice that,
-    # ...), if the budget affords the last measuring adaptation's cost again. A model with
-    # nothing to probe measures when the budget affords its last measurement's cost (predicted
-    # to cost nothing, a measurement ran whenever the time already spent was within the budget:
-    # 5.8-6.3% of the MNIST example's training time). Such a step
-    # adapts the measured tensors and holds the others (NOTE [Held tensors] in adapt.py). So
-    # the measured tensors follow training at a fraction of a step per adaptation (a
-    # transformer's queries, insensitive at initialisation, are not left at 1 bit until the
-    # probes are affordable: 250 steps on the LLaMA-style decoder), and an adaptation that
-    # waits does not pay a measurement at every step.
-    def _arm(self) -> None:
-        """Attach a meter to the open step if it is a measuring one (NOTE above)."""
-        if (
-            self.hooks.meter is None
-            and not self.hooks.probing
-            and self.config.measure_linear
-            and self._scheduled()
-            and (
-                self._unmeasured is None
-                or self._affordable(self._unmeasured)
-                or self._remeasuring()
-            )
-        ):
-            self.hooks.meter = SensitivityMeter(batch_norms=self.adapter.batch_norms)
-            self.hooks.meter.start()
-
-    def _remeasuring(self) -> bool:
-        """Whether the open step measures again while the probes wait (NOTE above)."""
-        cfg, adapter = self.config, self.adapter
-        last = adapter.last_adapted
-        if not self._unmeasured:
-            return False  # no probe waits: ``_affordable(0)`` decides
-        if last is None or not cfg.schedule.due(self.plan.step, last=last):
-            return False  # none adapted yet: measuring again would measure every step
-        return cfg.schedule.affordable(
-            adapted_seconds=adapter.seconds,
-            trained_seconds=self._trained_seconds(),
-            cost_seconds=adapter.last_held_seconds,
-        )
+        return self.pacing.due
 
     def _measure_compiled(self, closure: Callable[[], Any]) -> None:
         """Measure the compiled graphs' saves of a measuring step on an eager run of its
         closure (NOTE [Measured compiled saves] in measured_compiled.py). Under
         torch.distributed every rank runs it or none (its backward may all-reduce): rank 0's
         meter decides, on steps whose schedule is every rank's."""
-        if not (self.hooks.compiled_graphs and self._scheduled()):
+        if not (self.hooks.compiled_graphs and self.pacing.scheduled()):
             return
         meter = self.hooks.meter
         if not rank_zeros(meter is not None and bool(meter.fingerprints)):
@@ -544,15 +444,6 @@ class Controller:
             model=self.model, plan=self.plan, hooks=self.hooks, tracker=self.tracker,
             run_closure=self.run_closure, seed=mix_seed(self.config.seed, self.plan.step, 0xEA6E),
         )  # fmt: skip
-
-    def _disarm(self) -> SensitivityMeter | None:
-        """Stop the open step's meter; returns it (``None`` if none ran)."""
-        meter, self.hooks.meter = self.hooks.meter, None
-        if meter is not None:
-            meter.stop()
-            self.adapter.seconds += meter.seconds
-            self._unmeasured = self.adapter.unmeasured(self.ledger.current, meter)
-        return meter
 
     def run_closure(self, closure: Callable[[], T]) -> T:
         """Run ``closure`` and check that it ran a backward pass through the hooks."""
@@ -602,9 +493,9 @@ class Controller:
         """At a step boundary that no closure reaches (``step()``, or the next forward): adapt
         the tensors the step measured, if due, and say once that the others, which need
         probes, keep their widths (NOTE [Held tensors] in adapt.py)."""
-        if not (self.ledger.current and self._adapting()):
+        if not (self.ledger.current and self.pacing.adapting()):
             return
-        meter = self._disarm()
+        meter = self.pacing.disarm()
         adapted = self.adapter.adapt(
             None, self.ledger.current, self.run_closure, meter, probes_later=self._iterated
         )
@@ -622,11 +513,11 @@ class Controller:
     def _end_step(self, boundary: str) -> None:
         if boundary != "iterate":
             self._adapt_without_probes()
-        self._disarm()
+        self.pacing.disarm()
         if self.config.spec.adaptive and not self.adapter.has_prior:
             self.adapter.allocate_prior(self.ledger.current)
         now = time.perf_counter()
-        self._step_seconds += now - self._step_started
+        self.pacing.step_seconds += now - self._step_started
         self._step_started = now
         self.ledger.close()
         self.plan.step += 1
@@ -657,7 +548,7 @@ class Controller:
             included (NOTE [Compile time] in compiled.py).
         """
         out = self.ledger.stats()
-        training = self._trained_seconds()
+        training = self.pacing.trained_seconds()
         out.update(
             level=self.config.level,
             memory_budget=self.config.memory_budget,

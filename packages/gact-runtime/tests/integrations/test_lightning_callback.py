@@ -148,7 +148,7 @@ def test_probes_on_a_sub_batch(probe_batch_size: int | float | None, rows: int) 
     assert {n for probing, n in seen if probing} == {rows}
     assert {n for probing, n in seen if not probing} == {BATCH}
     # the schedule predicts the first adaptation's cost from the probes' share of the batch
-    assert callback.controller._probe_fraction == rows / BATCH
+    assert callback.controller.pacing.probe_fraction == rows / BATCH
 
 
 def test_probe_batch_size_must_be_rows_or_a_share() -> None:

@@ -162,7 +162,7 @@ def test_probes_on_a_sub_batch(
     assert {n for probing, n in seen if probing} == {rows}
     assert {n for probing, n in seen if not probing} == {4}
     # the schedule predicts the first adaptation's cost from the probes' share of the batch
-    assert callback.controller._probe_fraction == rows / 4
+    assert callback.controller.pacing.probe_fraction == rows / 4
 
 
 def test_bf16_autocast(tmp_path: Path) -> None:
