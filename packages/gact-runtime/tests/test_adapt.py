@@ -142,11 +142,12 @@ def test_probes_store_each_key_at_the_width_they_set(monkeypatch: pytest.MonkeyP
     sub-batch's maps are small (NOTE [Small maps] in decision_rules.py: 8 images of 8x8 hold 512
     elements per channel, the training batch's 32 hold 2,048): the widths' lower bounds come
     from the training step's saves, and a floor taken from the sub-batch would make the
-    estimator read a key's noise at one width as another's."""
+    estimator read a key's noise at one width as another's. The tanh's output on those maps is
+    probed (its backward reads it through ``1 - y^2``; the BatchNorm's input is measured)."""
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-        nn.Conv2d(8, 8, 3, padding=1), nn.Flatten(), nn.Linear(8 * 64, 10),
+        nn.Conv2d(8, 8, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(8 * 64, 10),
     )  # fmt: skip
     x, y = torch.randn(32, 3, 8, 8), torch.randint(0, 10, (32,))
     stored: list[tuple[int, int]] = []  # (width stored, width the probe set) per probed save
@@ -220,8 +221,15 @@ def test_preferred_widths_yield_to_the_budget_a_bit_at_a_time() -> None:
     ]  # fmt: skip
 
 
+def _cnn_with_probes() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """The CNN case with a tanh on its logits, whose output needs probes (the CNN's saves are
+    all measured, its BatchNorms' statistics kept)."""
+    model, x, y = make_case("cnn")
+    return nn.Sequential(model, nn.Tanh()), x, y
+
+
 def test_a_failing_adaptation_still_closes_the_step() -> None:
-    model, x, y = make_case("cnn")  # its BatchNorm inputs need probes
+    model, x, y = _cnn_with_probes()
     calls = {"n": 0}
     closure = make_closure(model, x, y)
 
@@ -393,7 +401,7 @@ def test_cheaper_probes_are_afforded_sooner() -> None:
 
 @pytest.mark.parametrize("case", ["cnn", "transformer"])
 def test_report_shows_estimates_with_their_uncertainty(case: str) -> None:
-    model, x, y = make_case(case)
+    model, x, y = _cnn_with_probes() if case == "cnn" else make_case(case)
     with Controller(
         model, GactConfig.from_level("L2", min_numel=0, adapt_first_gap=0)
     ) as controller:
@@ -405,11 +413,14 @@ def test_report_shows_estimates_with_their_uncertainty(case: str) -> None:
     assert probed and measured, report
     if case == "cnn":
         # the inputs of convolutions, of the linear layer and of the BatchNorms a convolution
-        # produced are measured, the pooled ReLU output at 0; the BatchNorms' statistics (4
-        # items, each probed alone by the reference method: no standard error) are probed
-        assert {line.split("#")[0] for line in probed} == {"bn1", "bn2"}
-        assert all(line.split("#")[1].startswith(("1:", "2:")) for line in probed)
-        assert {"conv1", "bn1", "bn2", "fc"} <= {line.split("#")[0] for line in measured}
+        # produced are measured, the pooled ReLU output at 0; the tanh's output (one item,
+        # probed alone by the reference method: no standard error) is probed; the BatchNorms'
+        # statistics are kept
+        assert [line.split()[0] for line in probed] == ["1#0:float32:2d"]
+        measured_in = {line.split("#")[0] for line in measured}
+        assert {"0.conv1", "0.bn1", "0.bn2", "0.fc"} <= measured_in
+        kept = [line for line in report.splitlines() if line.split()[3:4] == ["kept"]]
+        assert {line.split("#")[0] for line in kept} == {"0.bn1", "0.bn2"}
         # the ReLU outputs are on the zero-exact grid (no mask needed)
         assert any(line.split()[4].endswith("z") for line in quantized)
     else:  # LayerNorm inputs, attention, GELU inputs: probed pairwise, with a standard error

@@ -191,8 +191,9 @@ def _channel_dims() -> Iterator[list[int | None]]:
 
 
 def test_channel_groups_reach_the_kernels() -> None:
-    """Rank-4 saves are quantized with channel_dim=1; rank-2 saves in memory order."""
-    model = nn.Sequential(_model(), nn.Flatten(), nn.Linear(CHANNELS, 10))
+    """Rank-4 saves are quantized with channel_dim=1; rank-2 saves in memory order (the
+    tanh's output; the linear layer's input is a view of the ReLU's, stored with it)."""
+    model = nn.Sequential(_model(), nn.Flatten(), nn.Linear(CHANNELS, 10), nn.Tanh())
     x = torch.randn(50, 32, 1, 1)  # batch 50: runs of 50 elements, padded to 56
     with _channel_dims() as calls:
         with Controller(model, GactConfig.from_level("L1", min_numel=0)) as controller:
@@ -311,3 +312,22 @@ def test_row_groups_reach_the_kernels(norm: type[nn.Module]) -> None:
     assert (Kind.QUANTIZED, 1.0) in [(r.kind, r.metadata_bits) for r in norm_input]
     stats = [r for k, r in records.items() if k.startswith("norm") and r.shape == (64, 16, 1)]
     assert stats and all(r.kind is Kind.KEPT for r in stats)
+
+
+@pytest.mark.parametrize("channels", [1024, 2048])
+@pytest.mark.parametrize("level", ["L1", "L2.2"])
+def test_batchnorm_statistics_are_kept_however_many_channels(channels: int, level: str) -> None:
+    """BatchNorm's saved per-channel mean and reciprocal spread are kept as they are, as
+    LayerNorm's per-row ones are, also when there are ``min_numel`` channels or more (ResNet-50's
+    1024 and 2048): its backward normalises every element with them, and rounding them made the
+    weight gradient of the layer before biased (about 12% over 40 seeds at 4 bits)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, channels), nn.BatchNorm1d(channels), nn.ReLU())
+    with Controller(model, GactConfig.from_level(level)) as controller:
+        model(torch.randn(64, 16)).sum().backward()
+        controller.step()
+    records = [r for r in controller.ledger.last.values() if r.kind is not Kind.PARAMETER]
+    stats = [r for r in records if r.shape == (channels,)]
+    assert len(stats) == 2 and all(r.kind is Kind.KEPT for r in stats), stats
+    inputs = [r for r in records if r.shape == (64, channels)]
+    assert Kind.QUANTIZED in [r.kind for r in inputs]  # the input itself is still compressed

@@ -337,11 +337,14 @@ def _batch_norm(weight_at: int) -> _Rule:
             weight = _arg(args, kwargs, weight_at, "weight", None)
             eps = float(_arg(args, kwargs, 7, "eps", 1e-5))
             use = BatchNormUse(x.numel(), weight if isinstance(weight, torch.Tensor) else None, eps)
+        # its per-channel mean and reciprocal spread are kept, as LayerNorm's per-row ones
+        channels = x.shape[1]
         if not small_channels(x):
-            return None if use is None else DecisionSpec(batch_norm=use)
+            return DecisionSpec(exact_numel=channels, batch_norm=use)
         return DecisionSpec(
-            extra_bits=BATCH_NORM_EXTRA_BITS, precise_ids=frozenset({id(x)}), batch_norm=use
-        )
+            extra_bits=BATCH_NORM_EXTRA_BITS, precise_ids=frozenset({id(x)}),
+            exact_numel=channels, batch_norm=use,
+        )  # fmt: skip
 
     return rule
 
