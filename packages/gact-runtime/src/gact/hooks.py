@@ -374,7 +374,8 @@ class SaveHooks(Storing):
             stored.table is not None  # only the function's own backward reads a table
             or (stored.logged_by is not None and stored.logged_by is not spec)  # or log(p)
             or exact  # a compressed copy would not do,
-            or (spec is not None and (spec.keeps(tensor) or spec.shapes(tensor)))
+            or (spec is not None and spec.keeps(tensor))
+            or (spec is not None and spec.shapes(tensor) and stored.shaped_by is not spec)
             # nor one with another call's width or groups (NOTE [Aliased saves]),
             or (stored is not hit and spec is not None and spec.predicates)
         ):  # nor decisions in another shape

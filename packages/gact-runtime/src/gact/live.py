@@ -102,7 +102,8 @@ class LiveTable:
 # sums its readers' terms (NOTE [Measured sensitivities] in measured.py). A call that asks its
 # save for a width or groups of its own (``DecisionSpec.shapes``: a fused attention's queries
 # and keys, a BatchNorm input on small maps, a norm's rows) does not reuse a compressed save
-# another call made, alias or the same object, nor does a compiled graph's boundary save
+# another call made, alias or the same object (its own saves share one: RMSNorm's composite
+# saves its input twice, ``SavedCompressed.shaped_by``), nor does a compiled graph's boundary save
 # that needs one (a compiled fused attention's queries): the queries saved first by a
 # product at the level's width were read by the attention's backward at that width, 2 bits
 # short in eager code and 2 below ``ATTENTION_BITS`` in a compiled graph.

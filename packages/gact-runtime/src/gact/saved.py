@@ -213,8 +213,8 @@ class SavedCompressed(Saved):
     pointwise.py)."""
 
     __slots__ = (
-        "decision", "expand_to", "hooks", "logged_by", "payload", "rotated", "span", "table",
-        "ticket", "view_to", "witness",
+        "decision", "expand_to", "hooks", "logged_by", "payload", "rotated", "shaped_by", "span",
+        "table", "ticket", "view_to", "witness",
     )  # fmt: skip
 
     def __init__(
@@ -235,6 +235,9 @@ class SavedCompressed(Saved):
         # the call whose log-probabilities are stored as probabilities (NOTE [Log-probabilities]
         # in decision_rules.py): unpacked as their log, shared with that call's saves alone
         self.logged_by: DecisionSpec | None = None
+        # the call that gave it a width or groups of its own (``DecisionSpec.shapes``): its other
+        # saves of the tensor share it (NOTE [Aliased saves])
+        self.shaped_by: DecisionSpec | None = None
         # the dense block its elements fill as it unpacks, if they do (NOTE [Aliased saves]):
         # the storage's address, the offset of the first element, their count, contiguous
         self.span: tuple[int, int, int, bool] | None = None

@@ -224,6 +224,7 @@ class Storing:
         saved.table = table  # a table is never shared (see pack_own)
         saved.rotated = rotated
         saved.logged_by = spec if logged else None
+        saved.shaped_by = spec if spec is not None and spec.shapes(tensor) else None
         held = saved.known  # lossless groups of a pending one reach the ledger when resolved
         nbytes = held.nbytes
         quantized = isinstance(held, gact_kernels.QuantizedTensor)
