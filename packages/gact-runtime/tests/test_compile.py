@@ -663,6 +663,29 @@ def test_layers_compiled_one_by_one_compress_or_warn(
         assert len(said[True]) == 1 and "without calling GACT's hooks" in said[True][0]
 
 
+def test_a_compiled_graph_that_keeps_all_its_saves_is_not_warned_as_bypassing() -> None:
+    """A graph whose saves GACT's hooks traced and all kept (each below ``min_numel``) calls no
+    hook when it runs: the ledger records nothing, which is by design, not AOTAutograd handing
+    the saves past the hooks; the warning that says so (and how to change the filtering mode)
+    would mislead."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)
+    )
+    run = torch.compile(model, backend="aot_eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", GactWarning)
+        with Controller(run, GactConfig.from_level("L1", min_numel=10**6)) as controller:
+            for _ in range(2):
+                run(torch.randn(16, 8)).pow(2).sum().backward()
+                controller.step()
+    assert controller.hooks.compiled_sites  # the hooks traced the graph's saves
+    assert all(site.keep is not None for site in controller.hooks.compiled_sites.values())
+    said = [str(w.message) for w in caught if w.category is GactWarning]
+    assert not [m for m in said if "without calling GACT's hooks" in m], said
+
+
 def test_saved_inputs_reach_the_hooks_only_while_installed() -> None:
     """NOTE [Compiled saves]: AOTAutograd's default filtering becomes ``"no_static"`` while any
     controller is installed (nested installs count), and comes back after the last one; a mode

@@ -311,12 +311,15 @@ class Controller:
         # GACT's hooks, AOTAutograd handed none over (NOTE [Compiled saves] in compiled.py:
         # with its default filtering, a model compiled layer by layer saves only graph inputs
         # and outputs). Every activation is then stored uncompressed: never silently. A level
-        # that compresses nothing (L0) stores them so by design.
+        # that compresses nothing (L0) stores them so by design, and so does a graph whose
+        # traced saves are all kept (each below ``min_numel``): it calls no hook as it runs.
+        hooks = self.hooks
         if (
             self.config.spec.compresses
             and torch.is_grad_enabled()
-            and not self.hooks.probing
+            and not hooks.probing
             and self.ledger.recorded == self._recorded_at_forward
+            and hooks.compiled_graphs <= hooks.compressing_graphs
             and any(
                 isinstance(t, torch.Tensor) and t.requires_grad
                 for t in torch.utils._pytree.tree_leaves(output)

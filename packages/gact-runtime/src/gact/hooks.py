@@ -154,6 +154,7 @@ class SaveHooks(Storing):
         )
         self.compiled_sites: dict[str, CompiledSite] = {}  # key -> last traced site
         self.compiled_graphs: set[int] = set()  # forward graphs traced with these hooks
+        self.compressing_graphs: set[int] = set()  # those of them that compress a save
         self.compile_clock = compiled.CompileClock(self.compiled_graphs)  # NOTE [Compile time]
         self._graphs_counted: set[tuple[int, int]] = set()  # (graph, forward) in the ledger
         self._warned_missed: set[str] = set()
@@ -231,6 +232,8 @@ class SaveHooks(Storing):
         """A compiled graph's save was traced with ``site``'s decision."""
         self.compiled_sites[site.key] = site
         self.compiled_graphs.add(site.graph)
+        if site.keep is None:
+            self.compressing_graphs.add(site.graph)
         if site.unknown_use:
             self.on_unknown_use(site)
 
