@@ -16,7 +16,7 @@ from . import attention
 from .decision_spec import BatchNormUse, DecisionSpec, LinearUse
 
 __all__ = [
-    "ATTENTION_BITS", "ATTENTION_EXTRA_BITS", "BATCH_NORM_EXTRA_BITS", "SMALL_MAP",
+    "ATTENTION_BITS", "ATTENTION_EXTRA_BITS", "BATCH_NORM_EXTRA_BITS", "PRODUCTS", "SMALL_MAP",
     "SMALL_MAP_EXTRA_BITS", "find_rule", "measuring", "set_measuring", "small_channels",
     "small_map_bits",
 ]  # fmt: skip
@@ -584,6 +584,18 @@ def _by_aten_name(rules: dict[Callable[..., Any], _Rule]) -> dict[str, _Rule]:
         name: rules[func] for func in rules if (name := getattr(func, "__name__", "").lstrip("_"))
     }
 
+
+# Calls whose backward multiplies the gradient by one saved argument to give another argument's
+# gradient: ``DecisionMode`` publishes their arguments (NOTE [Products of a shared save] in
+# live.py).
+_T = torch.Tensor
+PRODUCTS = frozenset({
+    torch.mul, _T.mul, _T.mul_, _T.__mul__, _T.__rmul__, torch.matmul, _T.matmul, _T.__matmul__,
+    _T.__rmatmul__, torch.mm, _T.mm, torch.bmm, _T.bmm, torch.mv, _T.mv, torch.dot, _T.dot,
+    torch.inner, torch.outer, _T.outer, torch.einsum, torch.tensordot, torch.addmm, _T.addmm,
+    torch.baddbmm, _T.baddbmm, torch.addbmm, torch.addcmul, _T.addcmul, F.linear, F.bilinear,
+    F.conv1d, F.conv2d, F.conv3d,
+})  # fmt: skip
 
 _RULES, _METER_RULES = _rules(), _meter_rules()
 _ATEN_RULES, _ATEN_METER_RULES = _by_aten_name(_RULES), _by_aten_name(_METER_RULES)

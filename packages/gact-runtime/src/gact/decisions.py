@@ -24,7 +24,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from . import attention
-from .decision_rules import find_rule, measuring
+from .decision_rules import PRODUCTS, find_rule, measuring
 from .decision_spec import DecisionSpec
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "await_output",
     "current_spec",
     "node_family",
+    "product_factors",
     "representable",
     "representatives",
 ]
@@ -159,6 +160,22 @@ _local = threading.local()
 def current_spec() -> DecisionSpec | None:
     """The spec of the decision call running on this thread, if any."""
     return getattr(_local, "spec", None)
+
+
+def product_factors() -> list[torch.Tensor]:
+    """The tensor arguments of the product (``decision_rules.PRODUCTS``) running on this thread
+    under ``DecisionMode``, if one runs (NOTE [Products of a shared save] in live.py)."""
+    call = getattr(_local, "factors", None)
+    if call is None:
+        return []
+    args, kwargs = call
+    found = []
+    for arg in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(arg, torch.Tensor):
+            found.append(arg)
+        elif isinstance(arg, (list, tuple)):  # einsum's operands may come as one list
+            found.extend(t for t in arg if isinstance(t, torch.Tensor))
+    return found
 
 
 def await_output(waiter: Any) -> None:
@@ -329,6 +346,18 @@ class DecisionMode(TorchFunctionMode):
         # (guards that fail as it fills: recompiles).
         if torch.compiler.is_compiling():
             return func(*args, **kwargs) if kwargs else func(*args)
+        if func in PRODUCTS:  # its arguments, for the hooks (NOTE [Products of a shared save])
+            outer = getattr(_local, "factors", None)
+            _local.factors = (args, kwargs)
+            try:
+                return self._call(func, args, kwargs)
+            finally:
+                _local.factors = outer
+        return self._call(func, args, kwargs)
+
+    def _call(
+        self, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any] | None
+    ) -> Any:
         rule = find_rule(func, measuring())
         if rule is None:
             return func(*args, **kwargs) if kwargs else func(*args)

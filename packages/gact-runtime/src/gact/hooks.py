@@ -21,7 +21,7 @@ from .compiled_sites import CompiledSite, kept_sites
 from .decision_spec import DecisionSpec
 from .errors import GactWarning
 from .ledger import Kind, Ledger
-from .live import LiveStorages, LiveTable, storage_address
+from .live import LiveStorages, LiveTable, factor_from, reads_into_weights, storage_address
 from .measured import TRIAL_BITS
 from .params import ParameterFilter
 from .plan import BitPlan
@@ -373,7 +373,9 @@ class SaveHooks(Storing):
             self.on_compiled()
             exact = True  # see NOTE [Compiled forwards] in scope.py
         stored = hit.source if isinstance(hit, SavedView) else hit
-        if isinstance(stored, SavedCompressed) and (
+        # the arguments of a product running in eager code (NOTE [Products of a shared save])
+        products = inside and call is None
+        refused = isinstance(stored, SavedCompressed) and (
             stored.table is not None  # only the function's own backward reads a table
             or (stored.logged_by is not None and stored.logged_by is not spec)  # or log(p)
             or exact  # a compressed copy would not do,
@@ -381,9 +383,18 @@ class SaveHooks(Storing):
             or (spec is not None and spec.shapes(tensor) and stored.shaped_by is not spec)
             # nor one with another call's width or groups (NOTE [Aliased saves]),
             or (stored is not hit and spec is not None and spec.predicates)
-        ):  # nor decisions in another shape
+            # nor decisions in another shape, nor one rounding twice in a weight's gradient
+            or (
+                stored.read_by_weights
+                and products
+                and factor_from(tensor, decisions.product_factors())
+            )
+        )
+        if refused:  # stored again; autograd holds the tensor once (its bytes count once)
             hit = None
         if hit is not None:
+            if products and isinstance(stored, SavedCompressed) and not stored.read_by_weights:
+                stored.read_by_weights = reads_into_weights(tensor, decisions.product_factors())
             self.ledger.deduplicated += 1
             if isinstance(hit, SavedCompressed) and spec is not None and spec.predicates:
                 self._decide(hit, tensor, spec)
@@ -397,15 +408,17 @@ class SaveHooks(Storing):
         kind, compact = self._classify(key, tensor, spec, inside=inside, exact=exact)
         if call is not None and not is_input and not exact and spec is None and kind is None:
             saved: Saved = SavedRecomputed(tensor, key, call)
-            self.ledger.record(key, tensor, Kind.RECOMPUTED, None, 0)
+            self.ledger.record(key, tensor, Kind.RECOMPUTED, None, 0, held_elsewhere=refused)
         elif kind is not None:
             saved = SavedKept(tensor, key)
-            self._record_kept(key, tensor, kind)
+            self._record_kept(key, tensor, kind, held_elsewhere=refused)
         elif self._decisions_only(key, tensor, spec, compact, call):
             assert spec is not None
-            saved = self._store_decisions(key, tensor, spec)
+            saved = self._store_decisions(key, tensor, spec, held_elsewhere=refused)
         else:
-            saved = self._compress(key, tensor, compact, spec)
+            saved = self._compress(key, tensor, compact, spec, held_elsewhere=refused)
+            if products and isinstance(saved, SavedCompressed):
+                saved.read_by_weights = reads_into_weights(tensor, decisions.product_factors())
         if is_input:
             call.saw_input(saved)  # type: ignore[union-attr]
         if self.shaped:  # its bytes were counted at a save of its shape (see above)

@@ -12,7 +12,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 if TYPE_CHECKING:
     from .saved import Saved
 
-__all__ = ["LiveStorages", "LiveTable", "storage_address"]
+__all__ = ["LiveStorages", "LiveTable", "factor_from", "reads_into_weights", "storage_address"]
 
 
 def storage_address(tensor: torch.Tensor) -> int:
@@ -98,8 +98,9 @@ class LiveTable:
 # Eager code never writes into a live storage behind its version counter, which every view
 # shares with its base, and the weak reference to the storage tells when it died (its address
 # may then be reused). The readers of one stored rounding are different calls, so each adds
-# its own error to its own parameters' gradients, each unbiased; a key's measured sensitivity
-# sums its readers' terms (NOTE [Measured sensitivities] in measured.py). A call that asks its
+# its own error to its own parameters' gradients, each unbiased (but see NOTE [Products of a
+# shared save]); a key's measured sensitivity sums its readers' terms (NOTE [Measured
+# sensitivities] in measured.py). A call that asks its
 # save for a width or groups of its own (``DecisionSpec.shapes``: a fused attention's queries
 # and keys, a BatchNorm input on small maps, a norm's rows) does not reuse a compressed save
 # another call made, alias or the same object (its own saves share one: RMSNorm's composite
@@ -121,6 +122,55 @@ class LiveTable:
 # ...`` swaps a storage without a new version). The meter reads a payload in the saved tensor's
 # shape, so only a view of the whole block in memory order is measured through it
 # (``SavedView.rows``); the readers of other views are probed.
+
+
+# NOTE [Products of a shared save]
+# One rounding read twice in one product is no longer unbiased: in ``l2(h) * h`` the product's
+# gradient of ``z = l2(h)`` is ``g * h'``, and ``l2``'s weight gradient is that times ``h'``
+# again, so with one stored ``h'`` it holds ``h'^2``, whose mean is ``h^2`` plus the rounding's
+# variance (14% of the diagonal at 2 bits, 0.5% at 4, over 200 seeds; highway and
+# ``x * sigmoid(W x)`` gates have that form). It takes a save read into a parameter's gradient
+# (``SavedCompressed.read_by_weights``: a product whose other factor is a parameter, as a linear
+# or convolution layer's weight is) and a later product that reads the same tensor with a
+# factor computed from it: the first reader's output must lead to that factor, so it runs
+# first, and the two meet in that reader's weight gradient. ``DecisionMode`` publishes the
+# arguments of products (``decision_rules.PRODUCTS``); a factor may be computed from the saved
+# tensor when its autograd node (of its base, for a view) is younger than the tensor's
+# (``_sequence_nr``: autograd numbers the nodes of a thread in creation order), or the tensor
+# has none. Such a product stores the tensor again, with its own rounding, and the ledger counts
+# its bytes once, as autograd holds them. Products with an older factor (attention's ``P @ V``:
+# ``V`` was computed before ``P``) still share, and so does every other call: in a nonlinear
+# formula (a norm written out, ``x * rsqrt(mean(x^2))``) a second rounding would leave the bias
+# of second order that such formulas have anyway (``README``'s guarantees), for the memory of one
+# more copy. Eager code only: compiled graphs and recomputed activations are left as they are.
+def reads_into_weights(tensor: torch.Tensor, factors: list[torch.Tensor]) -> bool:
+    """Whether the running product (``factors``, its tensor arguments) reads ``tensor`` into a
+    parameter's gradient: another factor is a leaf that requires grad (NOTE above)."""
+    for factor in factors:
+        if factor.grad_fn is None:  # a leaf: a parameter if it requires grad
+            if factor.requires_grad and factor is not tensor:
+                return True
+        elif factor._is_view():  # a weight's transpose: the weight
+            root = factor._base
+            if root.grad_fn is None and root.requires_grad:
+                return True
+    return False
+
+
+def factor_from(tensor: torch.Tensor, factors: list[torch.Tensor]) -> bool:
+    """Whether another of the running product's ``factors`` may be computed from ``tensor``
+    (NOTE above)."""
+    base = tensor._base if tensor._is_view() else tensor
+    node = base.grad_fn
+    born = -1 if node is None else node._sequence_nr()
+    for factor in factors:
+        root = factor._base if factor._is_view() else factor
+        if root is base or not factor.requires_grad:
+            continue
+        made = root.grad_fn
+        if made is not None and made._sequence_nr() > born:
+            return True
+    return False
 
 
 class LiveStorages:

@@ -57,13 +57,13 @@ class Storing:
         )
 
     def _store_decisions(
-        self, key: str, tensor: torch.Tensor, spec: DecisionSpec
+        self, key: str, tensor: torch.Tensor, spec: DecisionSpec, *, held_elsewhere: bool = False
     ) -> SavedDecisions:
         """``tensor`` stored as the outcomes of ``spec``'s comparisons (NOTE [Decision-only
-        saves]), and counted."""
+        saves]), and counted (``held_elsewhere``: its bytes counted at another save)."""
         saved = SavedDecisions(tensor, key, spec, self.ledger.occurrences(key))
         assert saved.decision is not None
-        self.ledger.record(key, tensor, Kind.DECISIONS, None, 0)
+        self.ledger.record(key, tensor, Kind.DECISIONS, None, 0, held_elsewhere=held_elsewhere)
         self.ledger.add_decision(key, saved.decision.nbytes, len(saved.decision.predicates))
         return saved
 
@@ -88,12 +88,15 @@ class Storing:
         kind = Kind.KEPT if exact else self._treatment(key, tensor, compact, spec, inside)
         return kind, compact
 
-    def _record_kept(self, key: str, tensor: torch.Tensor, kind: Kind) -> None:
+    def _record_kept(
+        self, key: str, tensor: torch.Tensor, kind: Kind, *, held_elsewhere: bool = False
+    ) -> None:
         """The ledger entry of a save stored as it is (its dtype's width if the allocation
-        keeps its key at full precision)."""
+        keeps its key at full precision; ``held_elsewhere``: its bytes counted at another
+        save)."""
         full = self.plan.config.spec.compresses and self.plan.bits_for(key) is None
         bits = tensor.element_size() * 8 if kind is Kind.KEPT and full else None
-        self.ledger.record(key, tensor, kind, bits, None)
+        self.ledger.record(key, tensor, kind, bits, None, held_elsewhere=held_elsewhere)
 
     def _treatment(
         self,
@@ -138,10 +141,11 @@ class Storing:
         *,
         occurrence: int | None = None,
         decision: Decision | None = None,
+        held_elsewhere: bool = False,
     ) -> Saved:
         """Compress ``tensor`` saved at ``key`` during a call with ``spec``; ``occurrence``
         and ``decision``: those of a save stored as its decisions alone until now (NOTE
-        [Decision-only saves])."""
+        [Decision-only saves]); ``held_elsewhere``: its bytes are counted at another save."""
         group_size = self.plan.config.group_size
         zero_exact = False
         floor = preferred = 0  # the saving call's smallest width for it, and its preferred one
@@ -232,7 +236,7 @@ class Storing:
             key, tensor, kind, bits, nbytes, zero_exact=zero_exact, table=candidate,
             metadata_bits=_metadata_bits(held, nbytes) if quantized else None,
             min_bits=floor if quantized else 0,
-            preferred_bits=preferred if quantized else 0,
+            preferred_bits=preferred if quantized else 0, held_elsewhere=held_elsewhere,
         )  # fmt: skip
         if saved.pending:  # see NOTE [Pending saves]
             self.pending.append(saved)
