@@ -830,3 +830,27 @@ def test_packs_and_unpacks_show_as_profiler_ranges() -> None:
         closure()  # no controller installed: no range
     assert "gact::pack" not in {e.key for e in prof.key_averages()}
 
+
+@pytest.mark.parametrize("level", ["L0", "L1"])
+def test_a_view_of_a_kept_save_counts_no_bytes_of_its_own(level: str) -> None:
+    """``original_bytes`` is what autograd holds: the ReLU's output and the next linear layer's
+    2-D view of it are one storage, counted once at every level (at L0, where both are kept,
+    the view was counted again: 3,840 bytes for 2,304)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    x = torch.randn(4, 6, 8)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    held: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            held[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x).sum().backward()
+    with Controller(model, GactConfig.from_level(level, min_numel=0)) as controller:
+        model(x).sum().backward()
+        controller.step()
+    assert controller.stats()["original_bytes"] == sum(held.values()) == 2304

@@ -20,7 +20,7 @@ from . import compiled, decision_rules, decisions
 from .compiled_sites import CompiledSite, kept_sites
 from .decision_spec import DecisionSpec
 from .errors import GactWarning
-from .ledger import Kind, Ledger
+from .ledger import Kind, Ledger, occupied_bytes
 from .live import LiveStorages, LiveTable, factor_from, reads_into_weights, storage_address
 from .measured import TRIAL_BITS
 from .params import ParameterFilter
@@ -411,7 +411,8 @@ class SaveHooks(Storing):
             self.ledger.record(key, tensor, Kind.RECOMPUTED, None, 0, held_elsewhere=refused)
         elif kind is not None:
             saved = SavedKept(tensor, key)
-            self._record_kept(key, tensor, kind, held_elsewhere=refused)
+            held = refused or (view and self._in_kept_base(tensor))
+            self._record_kept(key, tensor, kind, held_elsewhere=held)
         elif self._decisions_only(key, tensor, spec, compact, call):
             assert spec is not None
             saved = self._store_decisions(key, tensor, spec, held_elsewhere=refused)
@@ -512,6 +513,14 @@ class SaveHooks(Storing):
             held = self._read_for_values(held, base)
         found = SavedView.of(tensor, held)
         return found or SavedView.of(tensor, self.view_blocks.get(base, forward))
+
+    def _in_kept_base(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``, a view, is a view of a base this forward saved and kept as it is,
+        whose bytes counted its whole storage: autograd holds the storage once, counted there."""
+        base = tensor._base
+        if not isinstance(self.live.get(base, self.tracker.generation), SavedKept):
+            return False
+        return occupied_bytes(base) == base.untyped_storage().nbytes()
 
     def _spans(self, tensor: torch.Tensor, saved: SavedCompressed, view: bool) -> None:
         """Record where the elements of ``saved`` lie, if they fill a dense block as they
