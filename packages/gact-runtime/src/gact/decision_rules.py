@@ -337,13 +337,14 @@ def _batch_norm(weight_at: int) -> _Rule:
             weight = _arg(args, kwargs, weight_at, "weight", None)
             eps = float(_arg(args, kwargs, 7, "eps", 1e-5))
             use = BatchNormUse(x.numel(), weight if isinstance(weight, torch.Tensor) else None, eps)
-        # its per-channel mean and reciprocal spread are kept, as LayerNorm's per-row ones
-        channels = x.shape[1]
+        # its per-channel mean and reciprocal spread are kept, as LayerNorm's per-row ones, and
+        # an input of rank 2 or 3 is grouped by channel, as those of rank 4 are
+        channels, by_channel = x.shape[1], id(x) if x.dim() < 4 else None
         if not small_channels(x):
-            return DecisionSpec(exact_numel=channels, batch_norm=use)
+            return DecisionSpec(exact_numel=channels, channels_id=by_channel, batch_norm=use)
         return DecisionSpec(
             extra_bits=BATCH_NORM_EXTRA_BITS, precise_ids=frozenset({id(x)}),
-            exact_numel=channels, batch_norm=use,
+            exact_numel=channels, channels_id=by_channel, batch_norm=use,
         )  # fmt: skip
 
     return rule

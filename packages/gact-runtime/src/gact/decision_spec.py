@@ -93,6 +93,9 @@ class DecisionSpec:
         rows_id: ``id()`` of the argument whose save is grouped by rows of ``row_length``
             trailing elements, no group spanning two rows.
         row_length: elements per row of that argument.
+        channels_id: ``id()`` of the argument whose save is grouped by channels (dimension 1),
+            no group spanning two channels (a BatchNorm's input of rank 2 or 3; saves of rank
+            4 or more are grouped so anyway).
         linear: the call reads one saved argument only linearly into a parameter's gradient;
             set only while a sensitivity meter runs (``measuring``).
         batch_norm: the call is a BatchNorm on batch statistics; set only while a sensitivity
@@ -124,6 +127,7 @@ class DecisionSpec:
     exact_numel: int = 0
     rows_id: int | None = None
     row_length: int = 0
+    channels_id: int | None = None
     linear: LinearUse | None = None
     batch_norm: BatchNormUse | None = None
     only_decisions: bool = False
@@ -177,7 +181,8 @@ class DecisionSpec:
 
     def shapes(self, tensor: torch.Tensor) -> bool:
         """Whether the call asks a save of ``tensor`` for a width (a floor or preferred bits)
-        or a group layout (rows) of its own, which another call's save of it may not have."""
+        or a group layout (rows, channels) of its own, which another call's save of it may not
+        have."""
         ident = id(tensor)
         precise = ident in self.precise_ids and bool(self.min_bits or self.extra_bits)
-        return precise or ident == self.rows_id
+        return precise or ident == self.rows_id or ident == self.channels_id

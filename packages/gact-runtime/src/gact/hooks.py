@@ -257,7 +257,9 @@ class SaveHooks(Storing):
             precise_ids=frozenset({id(tensor)}),
             rows_id=id(tensor) if site.row_length else None,
             row_length=site.row_length,
-            extra_bits=decision_rules.BATCH_NORM_EXTRA_BITS  # as _batch_norm's rule in eager code
+            # as _batch_norm's rule in eager code
+            channels_id=id(tensor) if site.batch_norm_input and tensor.dim() < 4 else None,
+            extra_bits=decision_rules.BATCH_NORM_EXTRA_BITS
             if site.batch_norm_input and decision_rules.small_channels(tensor)
             else 0,
             arguments=frozenset() if site.log_probabilities else None,  # stored as exp(tensor)

@@ -195,7 +195,9 @@ class Storing:
                     occurrence = self.ledger.occurrences(key)
                 seed = self.plan.seed_for(key, occurrence)
                 rows = _row_length(spec, tensor, data, plan.config)
-                channels = plan.config.channel_groups and data.dim() >= 4
+                channels = plan.config.channel_groups and (
+                    data.dim() >= 4 or (spec is not None and spec.channels_id == id(tensor))
+                )
                 source = data if rows is None else data.view(-1, rows)
                 if (
                     rows is None
