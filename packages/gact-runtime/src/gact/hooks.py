@@ -413,8 +413,8 @@ class SaveHooks(Storing):
             self.ledger.record(key, tensor, Kind.RECOMPUTED, None, 0, held_elsewhere=refused)
         elif kind is not None:
             saved = SavedKept(tensor, key)
-            held = refused or (view and self._in_kept_base(tensor))
-            self._record_kept(key, tensor, kind, held_elsewhere=held)
+            held = view and self._in_kept_base(tensor)
+            self._record_kept(key, tensor, kind, held_elsewhere=held, beside=refused)
         elif self._decisions_only(key, tensor, spec, compact, call):
             assert spec is not None
             saved = self._store_decisions(key, tensor, spec, held_elsewhere=refused)

@@ -89,14 +89,22 @@ class Storing:
         return kind, compact
 
     def _record_kept(
-        self, key: str, tensor: torch.Tensor, kind: Kind, *, held_elsewhere: bool = False
+        self,
+        key: str,
+        tensor: torch.Tensor,
+        kind: Kind,
+        *,
+        held_elsewhere: bool = False,
+        beside: bool = False,
     ) -> None:
         """The ledger entry of a save stored as it is (its dtype's width if the allocation
-        keeps its key at full precision; ``held_elsewhere``: its bytes counted at another
-        save)."""
+        keeps its key at full precision); ``held_elsewhere``: another save of the step holds
+        its storage, which counts there; ``beside``: kept beside a compressed save of the same
+        tensor, so stored twice but held by autograd once."""
         full = self.plan.config.spec.compresses and self.plan.bits_for(key) is None
         bits = tensor.element_size() * 8 if kind is Kind.KEPT and full else None
-        self.ledger.record(key, tensor, kind, bits, None, held_elsewhere=held_elsewhere)
+        stored = occupied_bytes(tensor) if beside else None
+        self.ledger.record(key, tensor, kind, bits, stored, held_elsewhere=held_elsewhere or beside)
 
     def _treatment(
         self,
