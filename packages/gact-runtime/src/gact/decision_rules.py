@@ -587,16 +587,26 @@ def _by_aten_name(rules: dict[Callable[..., Any], _Rule]) -> dict[str, _Rule]:
 
 
 # Calls whose backward multiplies the gradient by one saved argument to give another argument's
-# gradient: ``DecisionMode`` publishes their arguments (NOTE [Products of a shared save] in
-# live.py).
-_T = torch.Tensor
-PRODUCTS = frozenset({
-    torch.mul, _T.mul, _T.mul_, _T.__mul__, _T.__rmul__, torch.matmul, _T.matmul, _T.__matmul__,
-    _T.__rmatmul__, torch.mm, _T.mm, torch.bmm, _T.bmm, torch.mv, _T.mv, torch.dot, _T.dot,
-    torch.inner, torch.outer, _T.outer, torch.einsum, torch.tensordot, torch.addmm, _T.addmm,
-    torch.baddbmm, _T.baddbmm, torch.addbmm, torch.addcmul, _T.addcmul, F.linear, F.bilinear,
-    F.conv1d, F.conv2d, F.conv3d,
-})  # fmt: skip
+# gradient (divisions too: ``a / b`` gives ``b`` the gradient ``-g a / b^2``): ``DecisionMode``
+# publishes their arguments (NOTE [Products of a shared save] in live.py).
+def _products() -> frozenset[Callable[..., Any]]:
+    T = torch.Tensor
+    funcs = [
+        torch.mul, T.mul, T.mul_, T.__mul__, T.__rmul__, T.__imul__, torch.multiply, T.multiply,
+        T.multiply_, torch.div, T.div, T.div_, T.__truediv__, T.__rtruediv__, T.__itruediv__,
+        torch.divide, T.divide, T.divide_, torch.true_divide, T.true_divide, torch.matmul,
+        T.matmul, T.__matmul__, T.__rmatmul__, torch.mm, T.mm, torch.bmm, T.bmm, torch.mv, T.mv,
+        torch.dot, T.dot, torch.vdot, torch.inner, torch.outer, T.outer, torch.ger, torch.kron,
+        torch.einsum, torch.tensordot, torch.addmm, T.addmm, T.addmm_, torch.addmv, T.addmv,
+        torch.addr, T.addr, torch.baddbmm, T.baddbmm, T.baddbmm_, torch.addbmm, torch.addcmul,
+        T.addcmul, T.addcmul_, torch.addcdiv, T.addcdiv, T.addcdiv_, torch.linalg.multi_dot,
+        torch.linalg.vecdot, torch.cross, torch.linalg.cross, F.linear, F.bilinear, F.conv1d,
+        F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d,
+    ]  # fmt: skip
+    return frozenset(f for f in funcs if f is not None)
+
+
+PRODUCTS = _products()
 
 _RULES, _METER_RULES = _rules(), _meter_rules()
 _ATEN_RULES, _ATEN_METER_RULES = _by_aten_name(_RULES), _by_aten_name(_METER_RULES)

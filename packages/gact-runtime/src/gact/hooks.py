@@ -21,7 +21,7 @@ from .compiled_sites import CompiledSite, kept_sites
 from .decision_spec import DecisionSpec
 from .errors import GactWarning
 from .ledger import Kind, Ledger, occupied_bytes
-from .live import LiveStorages, LiveTable, factor_from, reads_into_weights, storage_address
+from .live import LiveStorages, LiveTable, factor_from, reads_for_factor, storage_address
 from .measured import TRIAL_BITS
 from .params import ParameterFilter
 from .plan import BitPlan
@@ -375,8 +375,9 @@ class SaveHooks(Storing):
             self.on_compiled()
             exact = True  # see NOTE [Compiled forwards] in scope.py
         stored = hit.source if isinstance(hit, SavedView) else hit
-        # the arguments of a product running in eager code (NOTE [Products of a shared save])
-        products = inside and call is None
+        # whether the arguments of a running product are followed for this save: in eager code
+        # outside recomputed activations (NOTE [Products of a shared save])
+        follow = inside and call is None
         refused = isinstance(stored, SavedCompressed) and (
             stored.table is not None  # only the function's own backward reads a table
             or (stored.logged_by is not None and stored.logged_by is not spec)  # or log(p)
@@ -385,18 +386,14 @@ class SaveHooks(Storing):
             or (spec is not None and spec.shapes(tensor) and stored.shaped_by is not spec)
             # nor one with another call's width or groups (NOTE [Aliased saves]),
             or (stored is not hit and spec is not None and spec.predicates)
-            # nor decisions in another shape, nor one rounding twice in a weight's gradient
-            or (
-                stored.read_by_weights
-                and products
-                and factor_from(tensor, decisions.product_factors())
-            )
+            # nor decisions in another shape, nor one rounding twice in a factor's gradient
+            or (stored.factor_read and follow and factor_from(tensor, decisions.product_factors()))
         )
         if refused:  # stored again; autograd holds the tensor once (its bytes count once)
             hit = None
         if hit is not None:
-            if products and isinstance(stored, SavedCompressed) and not stored.read_by_weights:
-                stored.read_by_weights = reads_into_weights(tensor, decisions.product_factors())
+            if follow and isinstance(stored, SavedCompressed) and not stored.factor_read:
+                stored.factor_read = reads_for_factor(tensor, decisions.product_factors())
             self.ledger.deduplicated += 1
             if isinstance(hit, SavedCompressed) and spec is not None and spec.predicates:
                 self._decide(hit, tensor, spec)
@@ -420,8 +417,8 @@ class SaveHooks(Storing):
             saved = self._store_decisions(key, tensor, spec, held_elsewhere=refused)
         else:
             saved = self._compress(key, tensor, compact, spec, held_elsewhere=refused)
-            if products and isinstance(saved, SavedCompressed):
-                saved.read_by_weights = reads_into_weights(tensor, decisions.product_factors())
+            if follow and isinstance(saved, SavedCompressed):
+                saved.factor_read = reads_for_factor(tensor, decisions.product_factors())
         if is_input:
             call.saw_input(saved)  # type: ignore[union-attr]
         if self.shaped:  # its bytes were counted at a save of its shape (see above)

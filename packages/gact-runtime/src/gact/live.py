@@ -12,7 +12,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 if TYPE_CHECKING:
     from .saved import Saved
 
-__all__ = ["LiveStorages", "LiveTable", "factor_from", "reads_into_weights", "storage_address"]
+__all__ = ["LiveStorages", "LiveTable", "factor_from", "reads_for_factor", "storage_address"]
 
 
 def storage_address(tensor: torch.Tensor) -> int:
@@ -129,12 +129,13 @@ class LiveTable:
 # gradient of ``z = l2(h)`` is ``g * h'``, and ``l2``'s weight gradient is that times ``h'``
 # again, so with one stored ``h'`` it holds ``h'^2``, whose mean is ``h^2`` plus the rounding's
 # variance (14% of the diagonal at 2 bits, 0.5% at 4, over 200 seeds; highway and
-# ``x * sigmoid(W x)`` gates have that form). It takes a save read into a parameter's gradient
-# (``SavedCompressed.read_by_weights``: a product whose other factor is a parameter, as a linear
-# or convolution layer's weight is) and a later product that reads the same tensor with a
-# factor computed from it: the first reader's output must lead to that factor, so it runs
-# first, and the two meet in that reader's weight gradient. ``DecisionMode`` publishes the
-# arguments of products (``decision_rules.PRODUCTS``); a factor may be computed from the saved
+# ``x * sigmoid(W x)`` gates have that form; so do divisions, ``h / f(l2(h))``). It takes a
+# save that a product reads into another factor's gradient (``SavedCompressed.factor_read``:
+# a linear or convolution layer's weight, a parametrized or cast weight, any factor that
+# requires grad) and a later product that reads the same tensor with a factor computed from it:
+# the first reader's output must lead to that factor, so it runs first, and the two meet in
+# the first reader's gradient of its factor. ``DecisionMode`` publishes the arguments of
+# products and divisions (``decision_rules.PRODUCTS``); a factor may be computed from the saved
 # tensor when its autograd node (of its base, for a view) is younger than the tensor's
 # (``_sequence_nr``: autograd numbers the nodes of a thread in creation order), or the tensor
 # has none. Such a product stores the tensor again, with its own rounding, and the ledger counts
@@ -142,18 +143,18 @@ class LiveTable:
 # ``V`` was computed before ``P``) still share, and so does every other call: in a nonlinear
 # formula (a norm written out, ``x * rsqrt(mean(x^2))``) a second rounding would leave the bias
 # of second order that such formulas have anyway (``README``'s guarantees), for the memory of one
-# more copy. Eager code only: compiled graphs and recomputed activations are left as they are.
-def reads_into_weights(tensor: torch.Tensor, factors: list[torch.Tensor]) -> bool:
-    """Whether the running product (``factors``, its tensor arguments) reads ``tensor`` into a
-    parameter's gradient: another factor is a leaf that requires grad (NOTE above)."""
+# more copy. Not seen: compiled graphs and recomputed activations (left as they are), products
+# inside a composite that ``DecisionMode`` sees as one call (``F.multi_head_attention_forward``'s
+# projections), and a factor made on another thread (``DataParallel``'s replicas: its node is
+# numbered by that thread's counter).
+def reads_for_factor(tensor: torch.Tensor, factors: list[torch.Tensor]) -> bool:
+    """Whether the running product (``factors``, its tensor arguments) reads ``tensor`` into
+    another factor's gradient: one that requires grad (NOTE above)."""
+    base = tensor._base if tensor._is_view() else tensor
     for factor in factors:
-        if factor.grad_fn is None:  # a leaf: a parameter if it requires grad
-            if factor.requires_grad and factor is not tensor:
-                return True
-        elif factor._is_view():  # a weight's transpose: the weight
-            root = factor._base
-            if root.grad_fn is None and root.requires_grad:
-                return True
+        root = factor._base if factor._is_view() else factor
+        if root is not base and factor.requires_grad:
+            return True
     return False
 
 

@@ -213,7 +213,7 @@ class SavedCompressed(Saved):
     pointwise.py)."""
 
     __slots__ = (
-        "decision", "expand_to", "hooks", "logged_by", "payload", "read_by_weights", "rotated",
+        "decision", "expand_to", "factor_read", "hooks", "logged_by", "payload", "rotated",
         "shaped_by", "span", "table", "ticket", "view_to", "witness",
     )  # fmt: skip
 
@@ -238,8 +238,8 @@ class SavedCompressed(Saved):
         # the call that gave it a width or groups of its own (``DecisionSpec.shapes``): its other
         # saves of the tensor share it (NOTE [Aliased saves])
         self.shaped_by: DecisionSpec | None = None
-        # a reader takes it into a parameter's gradient (NOTE [Products of a shared save])
-        self.read_by_weights = False
+        # a product reads it into another factor's gradient (NOTE [Products of a shared save])
+        self.factor_read = False
         # the dense block its elements fill as it unpacks, if they do (NOTE [Aliased saves]):
         # the storage's address, the offset of the first element, their count, contiguous
         self.span: tuple[int, int, int, bool] | None = None
