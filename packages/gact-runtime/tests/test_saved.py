@@ -921,3 +921,28 @@ def test_a_save_kept_beside_its_compressed_share_counts_its_stored_bytes() -> No
     h_bytes = 128 * 256 * 4
     assert stats[False]["stored_bytes"] == stats[True]["stored_bytes"]
     assert stats[False]["original_bytes"] == stats[True]["original_bytes"] - h_bytes
+
+
+def test_a_kept_base_saved_after_a_view_of_it_counts_the_storage_once() -> None:
+    """As above, in the other order: a linear layer saves its 2-D view of a 3-D activation
+    first, a product the activation itself later; autograd holds one storage, counted once at
+    L0 (it was counted twice: 3,840 bytes for 2,304)."""
+
+    class ViewThenBase(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.l1, self.l2 = nn.Linear(8, 16), nn.Linear(16, 16)
+            self.g = nn.Parameter(torch.randn(16))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.l1(x)
+            return (self.l2(h) + h * self.g).sum()  # l2 saves h.view(-1, 16), the product h
+
+    model, x = ViewThenBase(), torch.randn(4, 6, 8)
+    for level in ("L0", "L1"):
+        with Controller(model, GactConfig.from_level(level, min_numel=0)) as controller:
+            model(x).backward()
+            controller.step()
+        # x (768 bytes) and h (1,536), each held once
+        assert controller.stats()["original_bytes"] == 2304, level

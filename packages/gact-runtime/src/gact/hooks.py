@@ -139,6 +139,8 @@ class SaveHooks(Storing):
         self.swapper = swapper
         self.live = LiveTable()
         self.view_blocks = LiveTable()  # base -> a compressed view of it (NOTE [Aliased saves])
+        # a tensor (a view's base) -> the kept save of this forward that counted its storage
+        self.kept_storages = LiveTable()
         self.shaped = LiveTable()  # tensors saved as their shape (NOTE [Shape-only saves])
         self.boundaries = LiveStorages()  # NOTE [Boundary saves], NOTE [Aliased saves]
         self.pending: collections.deque[SavedCompressed] = collections.deque()  # NOTE below
@@ -225,6 +227,7 @@ class SaveHooks(Storing):
         self.live.clear()
         self.shaped.clear()
         self.view_blocks.clear()
+        self.kept_storages.clear()
         self.boundaries.clear()
         self._graphs_counted.clear()
 
@@ -410,7 +413,7 @@ class SaveHooks(Storing):
             self.ledger.record(key, tensor, Kind.RECOMPUTED, None, 0, held_elsewhere=refused)
         elif kind is not None:
             saved = SavedKept(tensor, key)
-            held = view and self._in_kept_base(tensor)
+            held = not refused and self._storage_counted(tensor, saved, view)
             self._record_kept(key, tensor, kind, held_elsewhere=held, beside=refused)
         elif self._decisions_only(key, tensor, spec, compact, call):
             assert spec is not None
@@ -513,13 +516,20 @@ class SaveHooks(Storing):
         found = SavedView.of(tensor, held)
         return found or SavedView.of(tensor, self.view_blocks.get(base, forward))
 
-    def _in_kept_base(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor``, a view, is a view of a base this forward saved and kept as it is,
-        whose bytes counted its whole storage: autograd holds the storage once, counted there."""
-        base = tensor._base
-        if not isinstance(self.live.get(base, self.tracker.generation), SavedKept):
+    def _storage_counted(self, tensor: torch.Tensor, saved: SavedKept, view: bool) -> bool:
+        """Whether a kept save of this forward counted the whole storage of ``tensor`` (of its
+        base, for a view): autograd holds the storage once, so its bytes count there. Else
+        ``saved`` becomes that save if it counts the whole storage itself (a view saved before
+        its base, or two views of one storage, count once in either order)."""
+        if tensor.layout is not torch.strided:  # sparse: no storage to share
             return False
-        return occupied_bytes(base) == base.untyped_storage().nbytes()
+        root = tensor._base if view else tensor
+        forward = self.tracker.generation
+        if self.kept_storages.get(root, forward) is not None:
+            return True
+        if occupied_bytes(tensor) == tensor.untyped_storage().nbytes():
+            self.kept_storages.add(root, saved, forward)
+        return False
 
     def _spans(self, tensor: torch.Tensor, saved: SavedCompressed, view: bool) -> None:
         """Record where the elements of ``saved`` lie, if they fill a dense block as they
