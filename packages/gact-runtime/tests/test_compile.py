@@ -1247,3 +1247,42 @@ def test_inductor_saves_what_a_relu6_after_batchnorm_decides_on() -> None:
     reasons = [s.keep or "" for s in controller.hooks.compiled_sites.values()]
     assert not any("decision" in r for r in reasons), reasons
     assert stored[True] <= 1.1 * stored[False], stored
+
+
+@pytest.mark.parametrize("level", ["L0", "L1"])
+def test_iterate_does_not_run_again_a_compiled_step_that_called_no_hook(level: str) -> None:
+    """The original GACT loop (the user's own forward and backward, ``optimizer.step()``, then
+    ``iterate(backprop)``) with a compiled model whose graph keeps all its saves (L0, or each
+    below ``min_numel``) and computes its loss inside: no GACT hook runs during the step, yet
+    its backward did run, so ``iterate`` must not run ``backprop`` again (it did, doubling the
+    gradients the next ``optimizer.step()`` used when ``backprop`` does not zero them, as
+    transformers' ``training_step`` does not)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+
+    class WithLoss(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(self.net(x), y)
+
+    model = WithLoss()
+    run = torch.compile(model, backend="aot_eager")
+    x, y = torch.randn(16, 32), torch.randint(0, 8, (16,))
+    calls = []
+
+    def backprop() -> None:
+        calls.append(1)
+        run(x, y).backward()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GactWarning)
+        with Controller(run, GactConfig.from_level(level)) as controller:  # min_numel 1024
+            for _ in range(3):
+                model.zero_grad()
+                backprop()
+                controller.iterate(backprop)
+    assert len(calls) == 3
+    assert controller.stats()["step"] == 3

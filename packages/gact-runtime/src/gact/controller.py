@@ -12,6 +12,7 @@ from typing import Any, Callable, TypeVar
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from . import compiled
 from .adapt import Adapter, rank_zeros
@@ -51,6 +52,28 @@ _INSTALLED: weakref.WeakSet[Controller] = weakref.WeakSet()
 # within ``adapt_budget`` of the training time). That needs a closure to run probes, so only
 # ``iterate`` adapts; a plain loop at an adaptive level keeps the level's default width and is
 # warned once.
+
+
+# NOTE [Backwards seen]
+# ``iterate`` must know whether the open step already ran its backward (the original GACT loop
+# runs forward, backward and ``optimizer.step()`` itself, then ``iterate(backprop)``), and a
+# closure must be checked to run one. GACT's own unpack hooks tell, but a compiled graph whose
+# saves GACT keeps all (level L0, or each below ``min_numel``) runs no GACT code at all: on such
+# a model ``iterate`` ran ``backprop`` again, and the gradients it added to those of the step
+# (transformers' ``training_step`` zeroes none) doubled the next ``optimizer.step()``'s. So while
+# installed, every parameter that requires grad counts the gradients accumulated into it (a
+# post-accumulate-grad hook, one Python call per parameter and backward); a framework that
+# zeroes the gradients before ``iterate`` (the Trainer's ``on_step_end``) leaves the count.
+def _count_accumulations(model: nn.Module, counter: list[int]) -> list[RemovableHandle]:
+    """Hooks that add 1 to ``counter[0]`` whenever a gradient accumulates into a parameter of
+    ``model`` that requires grad (NOTE above)."""
+
+    def count(param: torch.Tensor) -> None:
+        counter[0] += 1
+
+    return [
+        p.register_post_accumulate_grad_hook(count) for p in model.parameters() if p.requires_grad
+    ]
 
 
 def _top_saved_tensors_hooks() -> tuple[Callable, Callable] | None:
@@ -139,6 +162,11 @@ class Controller:
         self._unpacked_at_forward = 0
         self._recorded_at_forward = 0
         self._unpacked_at_boundary = 0
+        # gradients accumulated into the model's parameters while installed (NOTE [Backwards
+        # seen]): a list, so that the hooks counting them hold no reference to the controller
+        self._accumulated = [0]
+        self._accumulated_at_boundary = 0
+        self._accumulation_hooks: list[RemovableHandle] = []
         self._step_started = time.perf_counter()
         self._warned: set[str] = set()
 
@@ -209,6 +237,7 @@ class Controller:
         if runner is None and getattr(self.model, "_compiled_call_impl", None) is not None:
             runner = self.model  # model.compile()
         self.tracker.attach(compiled=runner)  # see NOTE [Compiled forwards] in scope.py
+        self._accumulation_hooks = _count_accumulations(self.model, self._accumulated)
         context = torch.autograd.graph.saved_tensors_hooks(*self.hooks.modules)
         context.__enter__()
         compiled.CompileSettings.enter()
@@ -242,6 +271,9 @@ class Controller:
         installed_hooks().remove(self.hooks)
         _INSTALLED.discard(self)
         self.tracker.detach()
+        for handle in self._accumulation_hooks:
+            handle.remove()
+        self._accumulation_hooks = []
         self.hooks.compile_clock.stop()
         if self.hooks.meter is not None:  # measuring is global: other models would publish
             self.hooks.meter.stop()
@@ -403,7 +435,11 @@ class Controller:
         self.pacing.probe_fraction = probe_fraction
         self._explicit_steps = True
         self._iterated = True
-        ran_backward = self.ledger.current and self.hooks.unpacked > self._unpacked_at_boundary
+        # a compiled graph that keeps all its saves runs no GACT hook: its backward shows in the
+        # gradients it accumulated (NOTE [Backwards seen])
+        ran_backward = (
+            self.ledger.current and self.hooks.unpacked > self._unpacked_at_boundary
+        ) or self._accumulated[0] > self._accumulated_at_boundary
         result = None
         if not ran_backward:
             try:
@@ -452,19 +488,9 @@ class Controller:
         """Run ``closure`` and check that it ran a backward pass through the hooks."""
         if not callable(closure):
             raise TypeError(f"closure must be callable, got {type(closure).__name__}")
-        before = self.hooks.unpacked
-        # Weak references: a strong one would keep last step's gradients alive through the
-        # closure's zero_grad(), one more copy of every gradient at the step's peak.
-        grads = [
-            (None, None) if p.grad is None else (weakref.ref(p.grad), p.grad._version)
-            for p in self.model.parameters()
-        ]
+        before, accumulated = self.hooks.unpacked, self._accumulated[0]
         result = closure()
-        wrote_grads = any(
-            p.grad is not None and (ref is None or ref() is not p.grad or p.grad._version != v)
-            for p, (ref, v) in zip(self.model.parameters(), grads)
-        )
-        if self.hooks.unpacked == before and not wrote_grads:
+        if self.hooks.unpacked == before and self._accumulated[0] == accumulated:
             raise ClosureError(
                 "the closure did not run a backward pass: it must compute the loss and call "
                 "loss.backward() (after optimizer.zero_grad())"
@@ -526,6 +552,7 @@ class Controller:
         self.plan.step += 1
         self._last_boundary = boundary
         self._unpacked_at_boundary = self.hooks.unpacked
+        self._accumulated_at_boundary = self._accumulated[0]
         if self.hooks.swapper is not None:
             self.hooks.swapper.new_step()
 
