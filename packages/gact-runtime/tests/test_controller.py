@@ -409,3 +409,30 @@ def test_explicit_steps_never_end_a_step_automatically() -> None:
     assert controller.stats()["step"] == 1
     with pytest.raises(TypeError, match="explicit_steps"):
         Controller(model, explicit_steps="yes")  # type: ignore[arg-type]
+
+
+def test_a_copy_of_the_model_made_while_installed_is_not_controlled() -> None:
+    """``copy.deepcopy(model)`` while a controller is installed (an EMA or teacher copy) copies
+    the model's hooks too: the copy's forward raised a KeyError, and its root hook ran the
+    original's (a forward of the copy would have ended the original's step). The copy now
+    trains as a plain model, also after uninstall, and the original's step is its own."""
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    x = torch.randn(8, 16)
+    controller = SeedController(model, GactConfig.from_level("L1", min_numel=0))
+    with controller:
+        loss = model(x).sum()
+        ema = copy.deepcopy(model)
+        ema(x).sum().backward()  # the copy's saves are not GACT's
+        loss.backward()
+        recorded = controller.ledger.recorded
+        controller.step()
+    assert controller.stats()["step"] == 1 and recorded == controller.ledger.recorded
+    plain = copy.deepcopy(ema)
+    plain.zero_grad()
+    ema.zero_grad()
+    ema(x).sum().backward()  # after uninstall
+    plain(x).sum().backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(ema.parameters(), plain.parameters()))

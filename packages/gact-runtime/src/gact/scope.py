@@ -292,7 +292,9 @@ class ScopeTracker:
         def enter(module: nn.Module, args: object) -> None:
             if torch.compiler.is_compiling():
                 return  # a submodule traced by dynamo (see NOTE [Compiled forwards])
-            self._push(module, labels[id(module)], args)
+            label = labels.get(id(module))
+            if label is not None:  # (none: a copy of a submodule, which carries the hook)
+                self._push(module, label, args)
 
         def leave(module: nn.Module, args: object, output: object) -> None:
             if torch.compiler.is_compiling():
@@ -327,6 +329,8 @@ class ScopeTracker:
         def enter_root(module: nn.Module, args: object) -> None:
             if self._in_compiled_module:  # traced by dynamo: a guard on the flag, no graph break
                 return
+            if module is not self._model:  # a copy of the model (deepcopy) carries the hook
+                return
             eager(module, args)
 
         return enter_root
@@ -335,7 +339,7 @@ class ScopeTracker:
         eager = _eager(lambda module, args, output: self._leave_root(output))
 
         def leave_root(module: nn.Module, args: object, output: object) -> None:
-            if self._in_compiled_module:
+            if self._in_compiled_module or module is not self._model:
                 return
             eager(module, args, output)
 
