@@ -204,7 +204,12 @@ class Storing:
                 seed = self.plan.seed_for(key, occurrence)
                 rows = _row_length(spec, tensor, data, plan.config)
                 channels = plan.config.channel_groups and (
-                    data.dim() >= 4 or (spec is not None and spec.channels_id == id(tensor))
+                    data.dim() >= 4
+                    or (  # an expanded view's base is grouped as it is
+                        spec is not None
+                        and spec.channels_id == id(tensor)
+                        and data.shape == tensor.shape
+                    )
                 )
                 source = data if rows is None else data.view(-1, rows)
                 if (
