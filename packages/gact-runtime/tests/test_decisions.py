@@ -520,7 +520,9 @@ def test_batch_norm_inputs_of_few_per_channel_take_four_more_bits(
 ) -> None:
     """NOTE [Small maps]: BatchNorm on batch statistics with at most ``SMALL_MAP`` elements per
     channel stores its input 4 bits above the level's width at any rank (here BatchNorm1d on 64
-    rows; rank 4 is test_channel_groups.py's); 2,048 rows and running statistics do not."""
+    rows; rank 4 is test_channel_groups.py's); 2,048 rows and running statistics do not. L2
+    gives the preferred width where its average holds it: grouped by channel, 64 rows carry a
+    header of 1 bit per element, and this model's 4 bits on average hold 7, not 8."""
     key = "1#0:float32:2d"  # the BatchNorm's input
     widths = {}
     for rows, train in ((64, True), (2048, True), (64, False)):
@@ -533,7 +535,7 @@ def test_batch_norm_inputs_of_few_per_channel_take_four_more_bits(
                 controller.step()
         record = controller.ledger.last[key]
         widths[rows, train] = (record.bits, record.preferred_bits)
-    assert widths[64, True] == (small, small)
+    assert widths[64, True] == (small - (level == "L2"), small)
     assert widths[2048, True][1] == 0 and widths[64, False][1] == 0
     if level != "L2":  # L2 allocates the other widths itself
         assert widths[2048, True][0] == widths[64, False][0] == large
