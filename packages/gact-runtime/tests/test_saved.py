@@ -181,10 +181,16 @@ class _GatedBySelf(nn.Module):
             return torch.multiply(self.l2(h), h)
         if self.form == "cast":  # a weight cast inside the call, as autocast does
             return F.linear(h, self.l2.weight.double().float()) * h
+        if self.form == "linalg_matmul":
+            return torch.linalg.matmul(h, self.l2.weight.t()) * h
+        if self.form == "lerp":  # its weight's gradient is g * (end - start)
+            return torch.lerp(torch.zeros_like(h), h, torch.sigmoid(self.l2(h)))
         return self.l2(h) * h
 
 
-@pytest.mark.parametrize("form", ["mul", "multiply", "divide", "weight_norm", "cast"])
+@pytest.mark.parametrize(
+    "form", ["mul", "multiply", "divide", "weight_norm", "cast", "linalg_matmul", "lerp"]
+)
 def test_a_product_of_a_save_and_a_factor_computed_from_it_is_unbiased(form: str) -> None:
     """NOTE [Products of a shared save]: the mean of ``l2``'s weight gradient over 64 rounding
     seeds at 2 bits matches fp32's on the diagonal. With one shared rounding the diagonal's

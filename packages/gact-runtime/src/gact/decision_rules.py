@@ -600,7 +600,8 @@ def _products() -> frozenset[Callable[..., Any]]:
         torch.einsum, torch.tensordot, torch.addmm, T.addmm, T.addmm_, torch.addmv, T.addmv,
         torch.addr, T.addr, torch.baddbmm, T.baddbmm, T.baddbmm_, torch.addbmm, torch.addcmul,
         T.addcmul, T.addcmul_, torch.addcdiv, T.addcdiv, T.addcdiv_, torch.linalg.multi_dot,
-        torch.linalg.vecdot, torch.cross, torch.linalg.cross, F.linear, F.bilinear, F.conv1d,
+        torch.linalg.vecdot, torch.cross, torch.linalg.cross, torch.linalg.matmul,
+        torch.chain_matmul, torch.lerp, T.lerp, T.lerp_, F.linear, F.bilinear, F.conv1d,
         F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d,
     ]  # fmt: skip
     return frozenset(f for f in funcs if f is not None)
