@@ -1286,3 +1286,36 @@ def test_iterate_does_not_run_again_a_compiled_step_that_called_no_hook(level: s
                 controller.iterate(backprop)
     assert len(calls) == 3
     assert controller.stats()["step"] == 3
+
+
+def test_a_closure_that_writes_gradients_itself_passes_the_closure_check() -> None:
+    """A closure may set ``p.grad`` itself (``torch.autograd.grad``, as per-sample clipping or
+    SAM do); on a compiled model whose graph keeps all its saves neither GACT's hooks nor a
+    gradient accumulation tell that its backward ran, the gradients it wrote do."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+
+    class WithLoss(nn.Module):  # the loss inside: no save outside the compiled graph
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(self.net(x), y)
+
+    net = WithLoss()
+    run = torch.compile(net, backend="aot_eager")
+    x, y = torch.randn(16, 32), torch.randint(0, 8, (16,))
+
+    def closure() -> torch.Tensor:
+        loss = run(x, y)
+        grads = torch.autograd.grad(loss, list(net.parameters()))
+        for p, g in zip(net.parameters(), grads):
+            p.grad = g
+        return loss
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GactWarning)
+        with Controller(run, GactConfig.from_level("L0")) as controller:
+            controller.iterate(closure)
+    assert controller.stats()["step"] == 1

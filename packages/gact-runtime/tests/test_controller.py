@@ -436,3 +436,19 @@ def test_a_copy_of_the_model_made_while_installed_is_not_controlled() -> None:
     ema(x).sum().backward()  # after uninstall
     plain(x).sum().backward()
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(ema.parameters(), plain.parameters()))
+
+
+def test_a_failed_install_leaves_no_hook_on_the_parameters() -> None:
+    """``install_hook()`` under ``disable_saved_tensors_hooks`` raises; the gradient-counting
+    hooks it registers on the parameters (NOTE [Backwards seen]) must not stay behind."""
+    model = nn.Linear(4, 4)
+    controller = SeedController(model, GactConfig.from_level("L1"))
+    for _ in range(2):
+        with pytest.raises(RuntimeError):
+            with torch.autograd.graph.disable_saved_tensors_hooks("no hooks here"):
+                controller.install_hook()
+    assert not controller.installed
+    assert not model.weight._post_accumulate_grad_hooks
+    with controller:
+        assert len(model.weight._post_accumulate_grad_hooks) == 1
+    assert not model.weight._post_accumulate_grad_hooks

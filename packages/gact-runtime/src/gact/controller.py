@@ -38,8 +38,8 @@ _INSTALLED: weakref.WeakSet[Controller] = weakref.WeakSet()
 # A *step* is one optimizer step: everything between two step boundaries. Several forwards in one
 # step (gradient accumulation) are accounted together; ``stats()`` and ``report()`` describe the
 # last completed step. Boundaries come from one of three sources:
-# - ``iterate(closure)`` ends the step it runs. If the open step already ran a forward and a
-#   backward through the hooks (the original GACT's loop: the user's own forward, backward and
+# - ``iterate(closure)`` ends the step it runs. If the open step already ran a backward (NOTE
+#   [Backwards seen]; the original GACT's loop: the user's own forward, backward and
 #   ``optimizer.step()``, then ``iterate(backprop)``), the closure is not run again: ``iterate``
 #   only ends the step, running the closure for probes when an adaptation is due.
 # - ``step()``, called by a plain loop after ``optimizer.step()``, like an LR scheduler. A
@@ -63,7 +63,10 @@ _INSTALLED: weakref.WeakSet[Controller] = weakref.WeakSet()
 # (transformers' ``training_step`` zeroes none) doubled the next ``optimizer.step()``'s. So while
 # installed, every parameter that requires grad counts the gradients accumulated into it (a
 # post-accumulate-grad hook, one Python call per parameter and backward); a framework that
-# zeroes the gradients before ``iterate`` (the Trainer's ``on_step_end``) leaves the count.
+# zeroes the gradients before ``iterate`` (the Trainer's ``on_step_end``) leaves the count. A
+# closure that sets ``p.grad`` itself (``torch.autograd.grad``), and parameters that came to
+# require grad after ``install_hook()`` (no hook), show in the gradients written since the step
+# began (weak references and versions, ``_grads_written``).
 def _count_accumulations(model: nn.Module, counter: list[int]) -> list[RemovableHandle]:
     """Hooks that add 1 to ``counter[0]`` whenever a gradient accumulates into a parameter of
     ``model`` that requires grad (NOTE above)."""
@@ -167,6 +170,7 @@ class Controller:
         self._accumulated = [0]
         self._accumulated_at_boundary = 0
         self._accumulation_hooks: list[RemovableHandle] = []
+        self._grads_at_boundary = self._grad_marks()
         self._step_started = time.perf_counter()
         self._warned: set[str] = set()
 
@@ -237,11 +241,11 @@ class Controller:
         if runner is None and getattr(self.model, "_compiled_call_impl", None) is not None:
             runner = self.model  # model.compile()
         self.tracker.attach(compiled=runner)  # see NOTE [Compiled forwards] in scope.py
-        self._accumulation_hooks = _count_accumulations(self.model, self._accumulated)
         context = torch.autograd.graph.saved_tensors_hooks(*self.hooks.modules)
         context.__enter__()
         compiled.CompileSettings.enter()
         self._context = context
+        self._accumulation_hooks = _count_accumulations(self.model, self._accumulated)
         self._thread = threading.get_ident()
         self._ever_installed = True
         installed_hooks().append(self.hooks)
@@ -438,8 +442,10 @@ class Controller:
         # a compiled graph that keeps all its saves runs no GACT hook: its backward shows in the
         # gradients it accumulated (NOTE [Backwards seen])
         ran_backward = (
-            self.ledger.current and self.hooks.unpacked > self._unpacked_at_boundary
-        ) or self._accumulated[0] > self._accumulated_at_boundary
+            (self.ledger.current and self.hooks.unpacked > self._unpacked_at_boundary)
+            or self._accumulated[0] > self._accumulated_at_boundary
+            or self._grads_written(self._grads_at_boundary)
+        )
         result = None
         if not ran_backward:
             try:
@@ -485,17 +491,37 @@ class Controller:
         )  # fmt: skip
 
     def run_closure(self, closure: Callable[[], T]) -> T:
-        """Run ``closure`` and check that it ran a backward pass through the hooks."""
+        """Run ``closure`` and check that it ran a backward pass (NOTE [Backwards seen])."""
         if not callable(closure):
             raise TypeError(f"closure must be callable, got {type(closure).__name__}")
-        before, accumulated = self.hooks.unpacked, self._accumulated[0]
+        before, accumulated, grads = self.hooks.unpacked, self._accumulated[0], self._grad_marks()
         result = closure()
-        if self.hooks.unpacked == before and self._accumulated[0] == accumulated:
+        if (
+            self.hooks.unpacked == before
+            and self._accumulated[0] == accumulated
+            and not self._grads_written(grads)
+        ):
             raise ClosureError(
                 "the closure did not run a backward pass: it must compute the loss and call "
                 "loss.backward() (after optimizer.zero_grad())"
             )
         return result
+
+    def _grad_marks(self) -> list[tuple[weakref.ref | None, int | None]]:
+        """Which gradient each parameter holds, and its version (``_grads_written``). Weak
+        references: a strong one would keep the last step's gradients alive through a
+        ``zero_grad()``, one more copy of every gradient at the step's peak."""
+        return [
+            (None, None) if p.grad is None else (weakref.ref(p.grad), p.grad._version)
+            for p in self.model.parameters()
+        ]
+
+    def _grads_written(self, marks: list[tuple[weakref.ref | None, int | None]]) -> bool:
+        """Whether a parameter's gradient was written since ``marks`` were taken."""
+        return any(
+            p.grad is not None and (ref is None or ref() is not p.grad or p.grad._version != v)
+            for p, (ref, v) in zip(self.model.parameters(), marks)
+        )
 
     def step(self) -> None:
         """End the current step (see NOTE [Steps]); call it after ``optimizer.step()``.
@@ -553,6 +579,7 @@ class Controller:
         self._last_boundary = boundary
         self._unpacked_at_boundary = self.hooks.unpacked
         self._accumulated_at_boundary = self._accumulated[0]
+        self._grads_at_boundary = self._grad_marks()
         if self.hooks.swapper is not None:
             self.hooks.swapper.new_step()
 

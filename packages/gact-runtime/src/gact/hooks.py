@@ -413,7 +413,7 @@ class SaveHooks(Storing):
             self.ledger.record(key, tensor, Kind.RECOMPUTED, None, 0, held_elsewhere=refused)
         elif kind is not None:
             saved = SavedKept(tensor, key)
-            held = not refused and self._storage_counted(tensor, saved, view)
+            held = self._storage_counted(tensor, saved, view) and not refused
             self._record_kept(key, tensor, kind, held_elsewhere=held, beside=refused)
         elif self._decisions_only(key, tensor, spec, compact, call):
             assert spec is not None
