@@ -1249,6 +1249,18 @@ def test_inductor_saves_what_a_relu6_after_batchnorm_decides_on() -> None:
     assert stored[True] <= 1.1 * stored[False], stored
 
 
+class _WithLoss(nn.Module):
+    """A model that computes its loss inside (as transformers models do with ``labels=``): no
+    save is made outside its compiled graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.net(x), y)
+
+
 @pytest.mark.parametrize("level", ["L0", "L1"])
 def test_iterate_does_not_run_again_a_compiled_step_that_called_no_hook(level: str) -> None:
     """The original GACT loop (the user's own forward and backward, ``optimizer.step()``, then
@@ -1260,15 +1272,7 @@ def test_iterate_does_not_run_again_a_compiled_step_that_called_no_hook(level: s
     torch._dynamo.reset()
     torch.manual_seed(0)
 
-    class WithLoss(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
-
-        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            return F.cross_entropy(self.net(x), y)
-
-    model = WithLoss()
+    model = _WithLoss()
     run = torch.compile(model, backend="aot_eager")
     x, y = torch.randn(16, 32), torch.randint(0, 8, (16,))
     calls = []
@@ -1295,15 +1299,7 @@ def test_a_closure_that_writes_gradients_itself_passes_the_closure_check() -> No
     torch._dynamo.reset()
     torch.manual_seed(0)
 
-    class WithLoss(nn.Module):  # the loss inside: no save outside the compiled graph
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
-
-        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            return F.cross_entropy(self.net(x), y)
-
-    net = WithLoss()
+    net = _WithLoss()
     run = torch.compile(net, backend="aot_eager")
     x, y = torch.randn(16, 32), torch.randint(0, 8, (16,))
 
