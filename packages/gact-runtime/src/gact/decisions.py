@@ -346,31 +346,28 @@ class DecisionMode(TorchFunctionMode):
         # (guards that fail as it fills: recompiles).
         if torch.compiler.is_compiling():
             return func(*args, **kwargs) if kwargs else func(*args)
-        if func in PRODUCTS:  # its arguments, for the hooks (NOTE [Products of a shared save])
-            outer = getattr(_local, "factors", None)
+        # a product publishes its arguments, for the hooks (NOTE [Products of a shared save])
+        products = func in PRODUCTS
+        if products:
+            outer_factors = getattr(_local, "factors", None)
             _local.factors = (args, kwargs)
-            try:
-                return self._call(func, args, kwargs)
-            finally:
-                _local.factors = outer
-        return self._call(func, args, kwargs)
-
-    def _call(
-        self, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any] | None
-    ) -> Any:
-        rule = find_rule(func, measuring())
-        if rule is None:
-            return func(*args, **kwargs) if kwargs else func(*args)
-        kwargs = kwargs or {}
-        spec = rule(args, kwargs)
-        if spec is None:
-            return func(*args, **kwargs)
-        outer, outer_waiting = current_spec(), getattr(_local, "waiting", None)
-        _local.spec, _local.waiting = spec, []
         try:
-            out = (attention.recomputed if spec.recompute else func)(*args, **kwargs)
-            for waiter in _local.waiting:
-                waiter.called(out)
-            return out
+            rule = find_rule(func, measuring())
+            if rule is None:
+                return func(*args, **kwargs) if kwargs else func(*args)
+            kwargs = kwargs or {}
+            spec = rule(args, kwargs)
+            if spec is None:
+                return func(*args, **kwargs)
+            outer, outer_waiting = current_spec(), getattr(_local, "waiting", None)
+            _local.spec, _local.waiting = spec, []
+            try:
+                out = (attention.recomputed if spec.recompute else func)(*args, **kwargs)
+                for waiter in _local.waiting:
+                    waiter.called(out)
+                return out
+            finally:
+                _local.spec, _local.waiting = outer, outer_waiting
         finally:
-            _local.spec, _local.waiting = outer, outer_waiting
+            if products:
+                _local.factors = outer_factors

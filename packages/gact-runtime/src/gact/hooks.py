@@ -378,9 +378,9 @@ class SaveHooks(Storing):
             self.on_compiled()
             exact = True  # see NOTE [Compiled forwards] in scope.py
         stored = hit.source if isinstance(hit, SavedView) else hit
-        # whether the arguments of a running product are followed for this save: in eager code
-        # outside recomputed activations (NOTE [Products of a shared save])
-        follow = inside and call is None
+        # the arguments of a running product, followed in eager code outside recomputed
+        # activations (NOTE [Products of a shared save])
+        factors = decisions.product_factors() if inside and call is None else []
         refused = isinstance(stored, SavedCompressed) and (
             stored.table is not None  # only the function's own backward reads a table
             or (stored.logged_by is not None and stored.logged_by is not spec)  # or log(p)
@@ -390,13 +390,13 @@ class SaveHooks(Storing):
             # nor one with another call's width or groups (NOTE [Aliased saves]),
             or (stored is not hit and spec is not None and spec.predicates)
             # nor decisions in another shape, nor one rounding twice in a factor's gradient
-            or (stored.factor_read and follow and factor_from(tensor, decisions.product_factors()))
+            or (stored.factor_read and factor_from(tensor, factors))
         )
         if refused:  # stored again; autograd holds the tensor once (its bytes count once)
             hit = None
         if hit is not None:
-            if follow and isinstance(stored, SavedCompressed) and not stored.factor_read:
-                stored.factor_read = reads_for_factor(tensor, decisions.product_factors())
+            if factors and isinstance(stored, SavedCompressed) and not stored.factor_read:
+                stored.factor_read = reads_for_factor(tensor, factors)
             self.ledger.deduplicated += 1
             if isinstance(hit, SavedCompressed) and spec is not None and spec.predicates:
                 self._decide(hit, tensor, spec)
@@ -420,8 +420,8 @@ class SaveHooks(Storing):
             saved = self._store_decisions(key, tensor, spec, held_elsewhere=refused)
         else:
             saved = self._compress(key, tensor, compact, spec, held_elsewhere=refused)
-            if follow and isinstance(saved, SavedCompressed):
-                saved.factor_read = reads_for_factor(tensor, decisions.product_factors())
+            if factors and isinstance(saved, SavedCompressed):
+                saved.factor_read = reads_for_factor(tensor, factors)
         if is_input:
             call.saw_input(saved)  # type: ignore[union-attr]
         if self.shaped:  # its bytes were counted at a save of its shape (see above)

@@ -147,13 +147,17 @@ class LiveTable:
 # inside a composite that ``DecisionMode`` sees as one call (``F.multi_head_attention_forward``'s
 # projections), and a factor made on another thread (``DataParallel``'s replicas: its node is
 # numbered by that thread's counter).
+def _root(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage ``tensor`` views (``tensor`` itself if it is no view)."""
+    return tensor._base if tensor._is_view() else tensor
+
+
 def reads_for_factor(tensor: torch.Tensor, factors: list[torch.Tensor]) -> bool:
     """Whether the running product (``factors``, its tensor arguments) reads ``tensor`` into
     another factor's gradient: one that requires grad (NOTE above)."""
-    base = tensor._base if tensor._is_view() else tensor
+    base = _root(tensor)
     for factor in factors:
-        root = factor._base if factor._is_view() else factor
-        if root is not base and factor.requires_grad:
+        if _root(factor) is not base and factor.requires_grad:
             return True
     return False
 
@@ -161,11 +165,11 @@ def reads_for_factor(tensor: torch.Tensor, factors: list[torch.Tensor]) -> bool:
 def factor_from(tensor: torch.Tensor, factors: list[torch.Tensor]) -> bool:
     """Whether another of the running product's ``factors`` may be computed from ``tensor``
     (NOTE above)."""
-    base = tensor._base if tensor._is_view() else tensor
+    base = _root(tensor)
     node = base.grad_fn
     born = -1 if node is None else node._sequence_nr()
     for factor in factors:
-        root = factor._base if factor._is_view() else factor
+        root = _root(factor)
         if root is base or not factor.requires_grad:
             continue
         made = root.grad_fn
