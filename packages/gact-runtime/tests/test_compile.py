@@ -318,8 +318,11 @@ class _TanhMLP(nn.Module):
 def test_stats_count_the_graphs_compiled_with_gacts_hooks(spelling: str) -> None:
     """``stats()["compiled_graphs"]``: one graph for a model compiled before the controller
     sees it, however many install cycles; a model compiled after ``install_hook()`` (here a
-    class of its own: it compiles on any torch) recompiles at each cycle, as the README says,
-    and the count shows it."""
+    class of its own: it compiles on any torch) compiles once with the hooks on every module
+    and once more with hooks on the compiled module alone, which the controller has seen
+    trained through, and then never again (NOTE [Compiled forwards] in scope.py). Before, it
+    recompiled at every install cycle, and past dynamo's recompile limit (8) ran eagerly, every
+    save kept."""
     torch.manual_seed(0)
     model = _TanhMLP()
     config = GactConfig.from_level("L1", min_numel=0)
@@ -333,7 +336,7 @@ def test_stats_count_the_graphs_compiled_with_gacts_hooks(spelling: str) -> None
             run = model
         controller = Controller(model, config)
     counts = []
-    for _ in range(3):
+    for _ in range(4):
         with controller:
             if run is None:
                 run = torch.compile(model, backend="aot_eager")
@@ -341,7 +344,42 @@ def test_stats_count_the_graphs_compiled_with_gacts_hooks(spelling: str) -> None
                 run(torch.randn(8, 16)).sum().backward()
                 controller.step()
         counts.append(controller.stats()["compiled_graphs"])
-    assert counts == ([1, 2, 3] if spelling == "after" else [1, 1, 1])
+    assert counts == ([1, 2, 2, 2] if spelling == "after" else [1, 1, 1, 1])
+    assert controller.stats()["compressed_tensors"] > 0
+
+
+def test_a_module_compiled_for_inference_leaves_the_eager_model_compressed() -> None:
+    """Only a compiled module called with gradients on becomes the module the hooks go on
+    (NOTE [Compiled forwards] in scope.py): one compiled for evaluation under ``no_grad`` must
+    not take the eager model's training out of the controlled forward (its saves would all be
+    kept). A step that then trains the uncompiled model says so, and the next install hooks
+    every module again."""
+    torch.manual_seed(0)
+    model = _TanhMLP()
+    controller = Controller(model, GactConfig.from_level("L1", min_numel=0))
+    infer = torch.compile(model, backend="aot_eager")
+    for _ in range(2):
+        with controller:
+            model(torch.randn(8, 16)).sum().backward()
+            controller.step()
+            with torch.no_grad():
+                infer(torch.randn(8, 16))
+        assert controller.stats()["compressed_tensors"] > 0
+        assert controller.tracker.compiled_module is None
+    with controller:
+        infer(torch.randn(8, 16)).sum().backward()  # trained through: hooks on it from now on
+        controller.step()
+    assert controller.tracker.compiled_module is not None
+    assert controller.tracker.compiled_module() is infer
+    with controller:  # hooks on `infer` alone: the eager model's saves are kept
+        model(torch.randn(8, 16)).sum().backward()
+        with pytest.warns(GactWarning, match="called the uncompiled model"):
+            controller.step()
+    assert controller.stats()["compressed_tensors"] == 0
+    assert controller.tracker.compiled_module is None
+    with controller:
+        model(torch.randn(8, 16)).sum().backward()
+        controller.step()
     assert controller.stats()["compressed_tensors"] > 0
 
 

@@ -438,6 +438,38 @@ def test_a_copy_of_the_model_made_while_installed_is_not_controlled() -> None:
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(ema.parameters(), plain.parameters()))
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_model_saves_and_loads_while_installed(compiled: bool) -> None:
+    """``torch.save(model)`` in the middle of training (a checkpoint of the whole module):
+    GACT's hooks on the model's modules were local functions, which pickle cannot save, so it
+    raised. The loaded model carries hooks that do nothing (as a deep copy does), computes as
+    the original, and trains under a controller of its own. The original trains on."""
+    import io
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    run = torch.compile(model, backend="aot_eager") if compiled else model
+    controller = SeedController(run, GactConfig.from_level("L1", min_numel=0))
+    x = torch.randn(8, 16)
+    with controller:
+        run(x).sum().backward()
+        controller.step()
+        buffer = io.BytesIO()
+        torch.save(run, buffer)
+        run(x).sum().backward()
+        controller.step()
+    assert controller.stats()["compressed_tensors"] > 0
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), run(x), rtol=0, atol=0)  # same weights
+    copy_controller = SeedController(loaded, GactConfig.from_level("L1", min_numel=0))
+    with copy_controller:
+        loaded(x).sum().backward()
+        copy_controller.step()
+    assert copy_controller.stats()["compressed_tensors"] > 0
+
+
 def test_a_failed_install_leaves_no_hook_on_the_parameters() -> None:
     """``install_hook()`` under ``disable_saved_tensors_hooks`` raises; the gradient-counting
     hooks it registers on the parameters (NOTE [Backwards seen]) must not stay behind."""

@@ -134,10 +134,9 @@ class Controller:
             )
         # Controller(torch.compile(model)): track the compiled module's original, entering its
         # scope around the compiled module's calls (NOTE [Compiled forwards] in scope.py)
-        self._compiled: weakref.ref[nn.Module] | None = None
+        compiled_module = None
         if isinstance(getattr(model, "_orig_mod", None), nn.Module):
-            self._compiled = weakref.ref(model)
-            model = model._orig_mod
+            compiled_module, model = model, model._orig_mod
         self.model = model
         self.plan = BitPlan(config if config is not None else get_config())
         self.ledger = Ledger()
@@ -146,6 +145,7 @@ class Controller:
             model,
             on_root_forward=self._on_root_forward,
             on_compiled_return=self._on_compiled_return,
+            compiled_module=compiled_module,
         )
         self.hooks = SaveHooks(
             self.plan, self.tracker, self.parameter_filter, self.ledger, self._make_swapper()
@@ -237,7 +237,8 @@ class Controller:
                 "reproducible run (every scheduled adaptation then runs)",
             )
         self.parameter_filter.refresh()
-        runner = None if self._compiled is None else self._compiled()
+        known = self.tracker.compiled_module  # given, or seen called since a past install
+        runner = None if known is None else known()
         if runner is None and getattr(self.model, "_compiled_call_impl", None) is not None:
             runner = self.model  # model.compile()
         self.tracker.attach(compiled=runner)  # see NOTE [Compiled forwards] in scope.py
@@ -569,6 +570,14 @@ class Controller:
         if boundary != "iterate":
             self._adapt_without_probes()
         self.pacing.disarm()
+        if self.tracker.end_step(saved=bool(self.ledger.current)):
+            self._warn_once(
+                "uncompiled call",
+                "the model was trained through its compiled module (torch.compile(model)), "
+                "which GACT's hooks then went on alone, and this step called the uncompiled "
+                "model: its saved tensors were kept uncompressed. The hooks go on every module "
+                "again from the next install_hook(); train through one of the two",
+            )
         if self.config.spec.adaptive and not self.adapter.has_prior:
             self.adapter.allocate_prior(self.ledger.current)
         now = time.perf_counter()

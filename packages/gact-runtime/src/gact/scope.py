@@ -7,6 +7,7 @@ import itertools
 import os
 import sys
 import threading
+import weakref
 from typing import Callable
 
 import torch
@@ -58,9 +59,18 @@ _ticks = itertools.count(1)
 # - Otherwise a global forward pre-hook notices a call of any module whose ``_orig_mod`` is
 #   the model (``torch.compile(model)`` made after the hooks were installed, or without the
 #   controller seeing it) and enters the scope there, before dynamo's frame, setting
-#   ``_in_compiled_module``; the model's root hooks then return at once, a flag read that dynamo traces
-#   and guards on, with no graph break. Before, the compiled forward of an ``nn.Sequential``
-#   compiled after ``install_hook()`` ran eagerly on torch 2.11, every save kept.
+#   ``_in_compiled_module``; the model's root hooks then return at once, a flag read that
+#   dynamo traces and guards on, with no graph break. Before, the compiled forward of an ``nn.Sequential``
+#   compiled after ``install_hook()`` ran eagerly on torch 2.11, every save kept. A compiled
+#   module seen called with gradients on is remembered (``compiled_module``, a weak reference)
+#   and the next ``attach`` hooks it alone, as if it had been given: hooks registered anew on
+#   every module at each install fail dynamo's guards, so a model compiled after
+#   ``install_hook()`` (the Trainer's ``torch_compile=True`` under a callback that installs
+#   around every step) recompiled at each cycle, and past dynamo's recompile limit (8) ran
+#   eagerly with every save kept. A module compiled for evaluation (called under ``no_grad``)
+#   is not remembered, so the eager model's training stays in the controlled forward; a step
+#   that saves tensors without calling it (the uncompiled model trained: its saves were kept)
+#   forgets it, with a warning, and the next install hooks every module again.
 # - Where no compiled module wraps the model (``model.compile()``, which compiles
 #   ``_call_impl`` and so runs the root's hooks in a frame dynamo skips, or a compiled function
 #   that calls the model), the root's hooks enter through a ``torch._dynamo.disable``-d call,
@@ -73,6 +83,28 @@ _ticks = itertools.count(1)
 # ``install_hook()`` would recompile the model each time (the root's or the compiled module's
 # hooks run outside the compiled frames). Its eager saves at graph breaks are then all named
 # under ``<root>``.
+
+
+def _nothing(*args: object) -> None:
+    """What a hook of GACT's on a module becomes in a pickled model (see ``_ModelHook``)."""
+
+
+def _revived() -> Callable[..., None]:
+    return _nothing
+
+
+class _ModelHook(functools.partial):
+    """A forward hook GACT registers on a module of the user's model. ``torch.save(model)``
+    while the hooks are installed pickles it as a hook that does nothing: the controller that
+    registered it is not part of the model (a ``copy.deepcopy`` of the model likewise carries
+    hooks that ignore the copy). Its own closures, local functions, could not be pickled, so
+    saving the model failed. A ``functools.partial`` calls its function from C (about 30 ns
+    more per call) and dynamo traces it as the function."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> tuple[Callable[[], Callable[..., None]], tuple[()]]:
+        return (_revived, ())
 
 
 def _eager(hook: Callable[..., None]) -> Callable[..., None]:
@@ -180,6 +212,7 @@ class ScopeTracker:
         model: nn.Module,
         on_root_forward: Callable[[], None],
         on_compiled_return: Callable[[object], None] = lambda output: None,
+        compiled_module: nn.Module | None = None,
     ) -> None:
         self._model = model
         self._on_root_forward = on_root_forward
@@ -190,6 +223,10 @@ class ScopeTracker:
         self._generation = 0  # bumped at every root forward
         # a call of the module torch.compile(model) returned is running (NOTE [Compiled forwards])
         self._in_compiled_module = False
+        # the module torch.compile(model) returned, given or seen trained through
+        self.compiled_module = None if compiled_module is None else weakref.ref(compiled_module)
+        self._compiled_given = compiled_module is not None
+        self._boundary_generation = 0  # the generation at the last step boundary
         # the model's compiled code runs eagerly, to be measured (NOTE [Measured compiled saves]
         # in measured_compiled.py): its forwards are eager code's
         self.forced_eager = False
@@ -234,16 +271,18 @@ class ScopeTracker:
         if self._handles:
             return
         if compiled is not None and compiled is not self._model:
-            self._handles.append(compiled.register_forward_pre_hook(self._compiled_module_enter))
-            self._handles.append(
-                compiled.register_forward_hook(self._compiled_module_leave, always_call=True)
-            )
+            enter_compiled = _ModelHook(self._compiled_module_enter)
+            leave_compiled = _ModelHook(self._compiled_module_leave)
+            self._handles.append(compiled.register_forward_pre_hook(enter_compiled))
+            self._handles.append(compiled.register_forward_hook(leave_compiled, always_call=True))
             return
         enter, leave = self._module_hooks()
+        enter = _ModelHook(enter)
         for name, module in self._model.named_modules():
             if not name:
-                self._handles.append(module.register_forward_pre_hook(self._root_enter()))
-                leave_root = self._root_leave()
+                enter_root = _ModelHook(self._root_enter())
+                leave_root = _ModelHook(self._root_leave())
+                self._handles.append(module.register_forward_pre_hook(enter_root))
                 self._handles.append(module.register_forward_hook(leave_root, always_call=True))
             elif compiled is not None:
                 break
@@ -253,6 +292,18 @@ class ScopeTracker:
         if compiled is None:
             self._handles.append(register_module_forward_pre_hook(self._global_enter))
             self._handles.append(register_module_forward_hook(leave, always_call=True))
+
+    def end_step(self, saved: bool) -> bool:
+        """At a step boundary: forget a compiled module seen trained through if this step
+        saved tensors without calling the model through it (the uncompiled model was trained,
+        its saves kept: NOTE [Compiled forwards]), so the next ``attach`` hooks every module
+        again. Returns whether it forgot one."""
+        idle = self._generation == self._boundary_generation
+        self._boundary_generation = self._generation
+        if saved and idle and self.compiled_module is not None and not self._compiled_given:
+            self.compiled_module = None
+            return True
+        return False
 
     def detach(self) -> None:
         """Remove the hooks; the tracker can be attached again later."""
@@ -310,6 +361,8 @@ class ScopeTracker:
         """Global pre-hook: the module ``torch.compile(model)`` returned is called, outside
         dynamo's frames (NOTE [Compiled forwards])."""
         if module._modules.get("_orig_mod") is self._model and not torch.compiler.is_compiling():
+            if torch.is_grad_enabled():  # trained through: hook it alone from the next install
+                self.compiled_module = weakref.ref(module)
             self._compiled_module_enter(module, args)
 
     def _enter_root(self, compiled: bool) -> None:
