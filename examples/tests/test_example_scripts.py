@@ -228,7 +228,7 @@ def test_stability_script(model, data_root, tmp_path, script):
     assert json.loads(out.read_text()) == json.loads(json.dumps(records))
     fp32, l1, l2 = json.loads(out.read_text())
     # at batch 4 every map is small: BatchNorm inputs at 8 bits, other saves at 6 (NOTE [Small
-    # maps] in decision_rules.py), so L1 stores 3.7x less on the ResNet
+    # maps] in norm_rules.py), so L1 stores 3.7x less on the ResNet
     assert (fp32["level"], l1["level"]) == ("L0", "L1") and l1["ratio"] > 3
     for rec in records:
         assert rec["first_nan_step"] is None and len(rec["losses"]) == 3

@@ -139,7 +139,7 @@ def test_probes_on_a_sub_batch_still_measure_small_tensors() -> None:
 
 def test_probes_store_each_key_at_the_width_they_set(monkeypatch: pytest.MonkeyPatch) -> None:
     """A probe on a sub-batch stores every key it names at the width it sets, even where the
-    sub-batch's maps are small (NOTE [Small maps] in decision_rules.py: 8 images of 8x8 hold 512
+    sub-batch's maps are small (NOTE [Small maps] in norm_rules.py: 8 images of 8x8 hold 512
     elements per channel, the training batch's 32 hold 2,048): the widths' lower bounds come
     from the training step's saves, and a floor taken from the sub-batch would make the
     estimator read a key's noise at one width as another's. The tanh's output on those maps is
@@ -173,7 +173,7 @@ def test_probes_store_each_key_at_the_width_they_set(monkeypatch: pytest.MonkeyP
 
 @pytest.mark.parametrize("level", ["L2", "L2.2"])
 def test_adaptive_levels_keep_their_average_where_small_map_floors_do_not_fit(level: str) -> None:
-    """NOTE [Small maps] in decision_rules.py: a CNN whose every map is small (64 x 4 x 4 = 1,024
+    """NOTE [Small maps] in norm_rules.py: a CNN whose every map is small (64 x 4 x 4 = 1,024
     elements per channel) cannot store every save 2 bits (its BatchNorm's input 4) above the
     level's width within its average. The floors yield to the budget: the level's average holds (codes and metadata) and
     nothing warns, as long as the hard lower bounds (2 bits for ReLU outputs) fit."""

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from gact import Controller, GactConfig, attention, decision_rules
+from gact import Controller, GactConfig, attention
+from gact.attention import ATTENTION_EXTRA_BITS
 from runtime_helpers import relative_error, requires_cuda
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -70,7 +71,7 @@ def test_fused_attention_is_recomputed_from_its_rounded_inputs(level: str) -> No
     assert controller is not None and controller.ledger.last is not None
     attention = [r for r in controller.ledger.last.values() if r.key.startswith("<root>")]
     width = GactConfig.from_level(level).bits
-    extra = width + decision_rules.ATTENTION_EXTRA_BITS
+    extra = width + ATTENTION_EXTRA_BITS
     # q and k with their preferred bits, v at the level's; no output, no log-sum-exp
     assert sorted((r.kind.name, r.bits, r.shape) for r in attention) == sorted(
         [("QUANTIZED", extra, (16, 4, 32, 16))] * 2 + [("QUANTIZED", width, (16, 4, 32, 16))]
@@ -102,7 +103,7 @@ def test_a_save_shared_with_a_call_needing_more_bits_is_stored_for_each() -> Non
         model(x).sum().backward()
         controller.step()
     width = GactConfig.from_level("L1").bits
-    extra = width + decision_rules.ATTENTION_EXTRA_BITS
+    extra = width + ATTENTION_EXTRA_BITS
     records = controller.ledger.last.values()
     queries = [r.bits for r in records if r.shape == (4, 4, 32, 16) and r.kind.name == "QUANTIZED"]
     assert sorted(queries) == [width, width, extra, extra]  # product's q; v; attention's q, k

@@ -80,7 +80,7 @@ def test_batchnorm_gradient_of_small_channels(level: str) -> None:
     """Worst channel's gradient error (RMS over 8 rounding seeds), relative to the RMS of the
     exact gradient over channels (each channel's is O(sqrt(batch)) whatever its scale).
     The BatchNorm input (64 elements per channel) is stored 4 bits above the level's width
-    (NOTE [Small maps] in decision_rules.py). Measured: memory-order groups 1.37 (L1) and 5.8
+    (NOTE [Small maps] in norm_rules.py). Measured: memory-order groups 1.37 (L1) and 5.8
     (L1.2); channel groups 0.017 and 0.077. The bounds leave 2x room above the latter."""
     exact = _bn_weight_grads(None, range(1))[0]
     cfg = GactConfig.from_level(level)  # BatchNorm statistics (64 elements) kept
@@ -97,7 +97,7 @@ def test_batchnorm_gradient_of_small_channels(level: str) -> None:
 
 @pytest.mark.parametrize(("level", "small", "large"), [("L1", 6, 4), ("L1.2", 4, 2)])
 def test_saves_of_small_maps_take_two_more_bits(level: str, small: int, large: int) -> None:
-    """NOTE [Small maps] in decision_rules.py: a save of rank 4 whose channels hold at most
+    """NOTE [Small maps] in norm_rules.py: a save of rank 4 whose channels hold at most
     ``SMALL_MAP`` elements per step (here 64 x 2 x 2 = 256) is stored 2 bits above the level's
     width whatever reads it (the input, a ReLU's output read by a convolution); the same model
     on 16x16 maps (16,384 per channel) is not."""
@@ -131,7 +131,7 @@ def _heavy_bn_weight_grads(config: GactConfig | None, seeds: range) -> torch.Ten
 def test_batchnorm_input_on_small_maps_takes_four_more_bits(
     level: str, bound: float, width: int
 ) -> None:
-    """NOTE [Small maps] in decision_rules.py: a BatchNorm's input on small maps is stored 4 bits
+    """NOTE [Small maps] in norm_rules.py: a BatchNorm's input on small maps is stored 4 bits
     above the level's width. Worst channel's gradient error (RMS over 16 rounding seeds) over
     the RMS of the exact gradient. Measured with 2, 3 and 4 more bits: 0.096, 0.055, 0.023 at
     L1; 0.41, 0.21, 0.096 at L1.2. The bounds leave 2x room above the last."""

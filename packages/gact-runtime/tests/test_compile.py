@@ -81,7 +81,7 @@ def test_compiled_models_train_with_compressed_saves(backend: str, spelling: str
 def test_compiled_saves_take_the_widths_eager_saves_take_on_small_maps(
     backend: str, rank: int
 ) -> None:
-    """NOTE [Small maps] in decision_rules.py, compiled as eager: a BatchNorm's input on maps of at
+    """NOTE [Small maps] in norm_rules.py, compiled as eager: a BatchNorm's input on maps of at
     most ``SMALL_MAP`` elements per channel 4 bits above the level's width (aot_eager keeps
     BatchNorm an op, inductor decomposes it into ``var_mean`` and pointwise ops), other saves
     of rank 4 on such maps 2 bits above it, the rest at it."""

@@ -11,7 +11,7 @@ import gact_kernels
 import pytest
 import torch
 import torch.nn.functional as F
-from gact import Controller, GactConfig, GactWarning, decision_rules
+from gact import Controller, GactConfig, GactWarning, norm_rules
 from gact.ledger import Kind
 from gact.saved import SavedCompressed
 from runtime_helpers import record_saves
@@ -539,4 +539,4 @@ def test_batch_norm_inputs_of_few_per_channel_take_four_more_bits(
     assert widths[2048, True][1] == 0 and widths[64, False][1] == 0
     if level != "L2":  # L2 allocates the other widths itself
         assert widths[2048, True][0] == widths[64, False][0] == large
-    assert (decision_rules.SMALL_MAP, decision_rules.BATCH_NORM_EXTRA_BITS) == (1024, 4)
+    assert (norm_rules.SMALL_MAP, norm_rules.BATCH_NORM_EXTRA_BITS) == (1024, 4)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from gact import Controller, GactConfig, GactWarning, decision_rules
+from gact import Controller, GactConfig, GactWarning, linear_rules
 from gact.decisions import DecisionMode, current_spec
 from gact.ledger import Kind
 from gact.measured import SensitivityMeter
@@ -104,7 +104,7 @@ def test_measured_sensitivities_predict_the_rounding_variance_of_each_weight_gra
     cfg = GactConfig.from_level(level, min_numel=0)
     controller, meter = measured_step(model, cfg, lambda: F.cross_entropy(model(x), y).backward())
     # the stored widths: the level's, and for the 8x8 maps of 1,024 elements per channel 2 more
-    # (NOTE [Small maps] in decision_rules.py)
+    # (NOTE [Small maps] in norm_rules.py)
     stored = {key: r.bits for key, r in controller.ledger.view()[0].items()}
     assert sorted(set(stored[key] for key in meter.sensitivities())) == widths
     measured = meter.sensitivities()
@@ -315,13 +315,13 @@ def test_step_loops_that_iterate_on_due_steps_keep_the_probes_due() -> None:
 def decisions_idle() -> bool:
     """No meter is left running after the controller's steps ended."""
 
-    return not decision_rules.measuring()
+    return not linear_rules.measuring()
 
 
 def test_a_controller_whose_hooks_are_off_measures_nothing() -> None:
     """A meter armed for the open step stops measuring when the hooks come off (the end of a
     ``with Controller`` block, ``paused()``) and measures again when they come back, whoever
-    still holds the controller: ``decision_rules.measuring()`` is global, and while it is on every
+    still holds the controller: ``linear_rules.measuring()`` is global, and while it is on every
     linear call in every model publishes its use. Before, it stayed on until the controller
     was garbage-collected."""
     model, x, y = make_case("cnn")

@@ -447,7 +447,7 @@ class Adapter:
 
 
 # NOTE [Preference tiers]
-# Preferred widths (NOTE [Small maps] in decision_rules.py) yield to the budget a bit at a time: the
+# Preferred widths (NOTE [Small maps] in norm_rules.py) yield to the budget a bit at a time: the
 # allocation takes the first of ``preferred``, ``preferred - 1``, ... (never below ``lower``)
 # whose smallest storage fits, and allocates the rest of the budget above it by sensitivity.
 # Yielding all at once dropped every small map's extra bits as soon as the level or the

@@ -13,8 +13,12 @@ from torch.nn.attention import SDPBackend
 from torch.utils.checkpoint import get_device_states, set_device_states
 
 from . import compiled
+from .decision_spec import DecisionSpec, argument
 
-__all__ = ["RecomputedAttention", "recomputed", "recomputes"]
+__all__ = [
+    "ATTENTION_BITS", "ATTENTION_EXTRA_BITS", "RecomputedAttention", "recomputed", "recomputes",
+    "rule",
+]  # fmt: skip
 
 # NOTE [Attention from its rounded inputs]
 # ``F.scaled_dot_product_attention`` on its fused kernels saves ``q``, ``k``, ``v``, its output
@@ -183,3 +187,24 @@ def recomputed(*args: Any, **kwargs: Any) -> torch.Tensor:
     query, key, value = (bound.pop(name) for name in _NAMES[:3])
     attn_mask = bound.pop("attn_mask", None)
     return RecomputedAttention.apply(query, key, value, attn_mask, bound)
+
+
+ATTENTION_BITS = 6  # the smallest width of a fused attention's q and k (NOTE [Attention and row
+# normalisations] in decision_rules.py)
+ATTENTION_EXTRA_BITS = 2  # bits above the level's that a recomputed attention's q and k prefer
+
+
+def rule(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
+    q, k = argument(args, kwargs, 0, "query", None), argument(args, kwargs, 1, "key", None)
+    if not all(isinstance(t, torch.Tensor) and t.dim() >= 2 for t in (q, k)) or not q.numel():
+        return None
+    if recomputes(args, kwargs):  # NOTE [Attention from its rounded inputs]
+        return DecisionSpec(
+            extra_bits=ATTENTION_EXTRA_BITS, precise_ids=frozenset({id(q), id(k)}), recompute=True
+        )
+    rows = q.numel() // q.shape[-1]
+    # the memory-efficient kernel pads each head's log-sum-exp to a multiple of 32 rows
+    padded = rows // q.shape[-2] * (-(-q.shape[-2] // 32) * 32)
+    return DecisionSpec(
+        min_bits=ATTENTION_BITS, precise_ids=frozenset({id(q), id(k)}), exact_numel=padded
+    )

@@ -14,7 +14,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .decision_rules import ATTENTION_BITS
+from .attention import ATTENTION_BITS
 from .errors import GactError
 from .graph_reads import (
     ATTENTION,
@@ -162,7 +162,7 @@ class CompiledSite:
         min_bits: its smallest width (fused attention's q and k).
         row_length: LayerNorm rows: groups never span two rows of this many elements (0: none).
         batch_norm_input: normalised by its batch's statistics per channel (NOTE [Small maps] in
-            decision_rules.py: on small maps it then takes more bits, as in eager code).
+            norm_rules.py: on small maps it then takes more bits, as in eager code).
         like: a meta tensor like the saved one (static shapes only): a kept site is counted
             in the ledger with it whenever its graph runs (``SaveHooks.pack_site``).
         graph_input: the saved node is an input of its graph, which may be a parameter

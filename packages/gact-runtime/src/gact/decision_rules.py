@@ -5,21 +5,16 @@ decisions] in decisions.py)."""
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from . import attention
-from .decision_spec import BatchNormUse, DecisionSpec, LinearUse
+from . import attention, linear_rules, norm_rules
+from .decision_spec import EXACT, DecisionSpec, Rule, argument
 
-__all__ = [
-    "ATTENTION_BITS", "ATTENTION_EXTRA_BITS", "BATCH_NORM_EXTRA_BITS", "PRODUCTS", "SMALL_MAP",
-    "SMALL_MAP_EXTRA_BITS", "find_rule", "measuring", "set_measuring", "small_channels",
-    "small_map_bits",
-]  # fmt: skip
+__all__ = ["find_rule"]
 
 # NOTE [Attention and row normalisations]
 # Two more kinds of call read their saves through more than a linear formula:
@@ -53,16 +48,9 @@ __all__ = [
 #   spread; on small maps its input takes 4 more bits (NOTE [Small maps]).
 
 
-_EXACT = DecisionSpec(exact=True)
 _POSITIVE = DecisionSpec(((True, 0.0),))  # ELU and the like also read the value below 0
 _LEAKY = DecisionSpec(_POSITIVE.predicates, only_decisions=True)  # reads only the sign
 _RELU = DecisionSpec(_POSITIVE.predicates, zero_exact=True, only_decisions=True)
-
-
-def _arg(args: Sequence[Any], kwargs: dict[str, Any], i: int, name: str, default: Any) -> Any:
-    if len(args) > i:
-        return args[i]
-    return kwargs.get(name, default)
 
 
 def _scalar(value: Any) -> float | None:
@@ -83,61 +71,65 @@ def _between(low: Any, high: Any, *, low_strict: bool, high_strict: bool) -> Dec
             continue
         t = _scalar(value)
         if t is None:
-            return _EXACT
+            return EXACT
         preds.append((strict, t))
     return DecisionSpec(tuple(preds), only_decisions=True)
 
 
 def _hardtanh(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec:
-    low = _arg(args, kwargs, 1, "min_val", -1.0)
-    high = _arg(args, kwargs, 2, "max_val", 1.0)
+    low = argument(args, kwargs, 1, "min_val", -1.0)
+    high = argument(args, kwargs, 2, "max_val", 1.0)
     return _between(low, high, low_strict=True, high_strict=True)
 
 
 def _clamp(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec:
-    low = _arg(args, kwargs, 1, "min", None)
-    high = _arg(args, kwargs, 2, "max", None)
+    low = argument(args, kwargs, 1, "min", None)
+    high = argument(args, kwargs, 2, "max", None)
     return _between(low, high, low_strict=False, high_strict=False)
 
 
 def _clamp_min(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec:
-    return _between(_arg(args, kwargs, 1, "min", None), None, low_strict=False, high_strict=False)
+    return _between(
+        argument(args, kwargs, 1, "min", None), None, low_strict=False, high_strict=False
+    )
 
 
 def _clamp_max(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec:
-    return _between(None, _arg(args, kwargs, 1, "max", None), low_strict=False, high_strict=False)
+    return _between(
+        None, argument(args, kwargs, 1, "max", None), low_strict=False, high_strict=False
+    )
 
 
 def _threshold(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec:
-    low = _arg(args, kwargs, 1, "threshold", None)
+    low = argument(args, kwargs, 1, "threshold", None)
     return _between(low, None, low_strict=True, high_strict=False)
 
 
 def _shrink(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec:
-    lambd = _scalar(_arg(args, kwargs, 1, "lambd", 0.5))
+    lambd = _scalar(argument(args, kwargs, 1, "lambd", 0.5))
     if lambd is None:
-        return _EXACT
+        return EXACT
     # the gradient is zero where -lambd <= x <= lambd
     return DecisionSpec(((False, -lambd), (True, lambd)), only_decisions=True)
 
 
 def _divisor(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
-    other = _arg(args, kwargs, 1, "other", None)
+    other = argument(args, kwargs, 1, "other", None)
     return (
         DecisionSpec(exact_ids=frozenset({id(other)})) if isinstance(other, torch.Tensor) else None
     )
 
 
-_EXACT_REDUCE = frozenset({"amax", "amin", "max", "min", "prod"})
+EXACT_REDUCE = frozenset({"amax", "amin", "max", "min", "prod"})
 
 
-def _reduction(position: int) -> _Rule:
+def _reduction(position: int) -> Rule:
     """Rule of a scatter, index or segment reduction whose ``reduce`` argument is at
     ``position``: a maximum or minimum shares the gradient among the values equal to the
     result, a product divides by them (NOTE [Exact decisions]); a sum or mean reads nothing."""
 
     def rule(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
-        return _EXACT if _arg(args, kwargs, position, "reduce", None) in _EXACT_REDUCE else None
+        return EXACT if argument(args, kwargs, position, "reduce", None) in EXACT_REDUCE else None
 
     return rule
 
@@ -161,34 +153,8 @@ _INVERSES = (
 def _grid(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
     """``grid_sample``: its backward floors the grid's coordinates to pick each sample's cell
     (a decision per coordinate) and weighs by their fractions; the input is read linearly."""
-    grid = _arg(args, kwargs, 1, "grid", None)
+    grid = argument(args, kwargs, 1, "grid", None)
     return DecisionSpec(exact_ids=frozenset({id(grid)})) if isinstance(grid, torch.Tensor) else None
-
-
-def _rows(x: Any, dim: Any, *, grouped: bool) -> DecisionSpec:
-    """Spec of a call dividing the rows of ``x`` along ``dim`` by their norms: its saves of one
-    value per row (the norms, a clamp's decision, the divisor) are kept; ``grouped``: ``x``'s
-    save is grouped by rows where they are contiguous, as LayerNorm's (NOTE [Attention and row
-    normalisations])."""
-    if not isinstance(x, torch.Tensor) or x.dim() == 0 or not isinstance(dim, int):
-        return _EXACT
-    length = x.shape[dim]
-    rows = x.numel() // max(length, 1)
-    if not grouped or dim % x.dim() != x.dim() - 1:
-        return DecisionSpec(exact_numel=rows)
-    return DecisionSpec(exact_numel=rows, rows_id=id(x), row_length=length)
-
-
-def _normalize(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec:
-    """``F.normalize``, a Python composite ``DecisionMode`` sees as one call."""
-    x, dim = _arg(args, kwargs, 0, "input", None), _arg(args, kwargs, 2, "dim", 1)
-    return _rows(x, dim, grouped=True)
-
-
-def _cosine_similarity(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec:
-    """``F.cosine_similarity``, a C++ composite: only its rows' norms are read nonlinearly."""
-    x, dim = _arg(args, kwargs, 0, "x1", None), _arg(args, kwargs, 2, "dim", 1)
-    return _rows(x, dim, grouped=False)
 
 
 # NOTE [Log-probabilities]
@@ -214,216 +180,38 @@ def _log_probabilities(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionS
 def _kept_input(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
     """A composite whose inner call decides on its input: the input is kept (exact masks are
     read by the output's backward node only, NOTE [Exact decisions])."""
-    x = _arg(args, kwargs, 0, "input", None)
+    x = argument(args, kwargs, 0, "input", None)
     return DecisionSpec(exact_ids=frozenset({id(x)})) if isinstance(x, torch.Tensor) else None
 
 
 def _power(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
     """``x ** p``: its backward's ``x ** (p - 1)`` is unbounded near 0 for ``p < 1`` (and a
     tensor exponent's reads ``log x``); a number raised to a tensor reads only the output."""
-    if not isinstance(_arg(args, kwargs, 0, "input", None), torch.Tensor):
+    if not isinstance(argument(args, kwargs, 0, "input", None), torch.Tensor):
         return None
-    p = _scalar(_arg(args, kwargs, 1, "exponent", None))
-    return None if p is not None and (p >= 1 or p == 0) else _EXACT
+    p = _scalar(argument(args, kwargs, 1, "exponent", None))
+    return None if p is not None and (p >= 1 or p == 0) else EXACT
 
 
 def _gelu(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
-    approximate = _arg(args, kwargs, 1, "approximate", "none")
+    approximate = argument(args, kwargs, 1, "approximate", "none")
     name = {"none": "gelu", "tanh": "gelu_tanh"}.get(approximate)
-    x = _arg(args, kwargs, 0, "input", None)
+    x = argument(args, kwargs, 0, "input", None)
     if name is None or not isinstance(x, torch.Tensor):
         return None
     return DecisionSpec(derivative=name, derivative_id=id(x))
 
 
 def _silu(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
-    x = _arg(args, kwargs, 0, "input", None)
-    if _arg(args, kwargs, 1, "inplace", False) or not isinstance(x, torch.Tensor):
+    x = argument(args, kwargs, 0, "input", None)
+    if argument(args, kwargs, 1, "inplace", False) or not isinstance(x, torch.Tensor):
         return None  # in place, the saved tensor is the output's storage
     return DecisionSpec(derivative="silu", derivative_id=id(x))
 
 
-ATTENTION_BITS = 6  # the smallest width of a fused attention's q and k (NOTE above)
-ATTENTION_EXTRA_BITS = 2  # bits above the level's that a recomputed attention's q and k prefer
-
-
-def _attention(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
-    q, k = _arg(args, kwargs, 0, "query", None), _arg(args, kwargs, 1, "key", None)
-    if not all(isinstance(t, torch.Tensor) and t.dim() >= 2 for t in (q, k)) or not q.numel():
-        return None
-    if attention.recomputes(args, kwargs):  # NOTE [Attention from its rounded inputs]
-        return DecisionSpec(
-            extra_bits=ATTENTION_EXTRA_BITS, precise_ids=frozenset({id(q), id(k)}), recompute=True
-        )
-    rows = q.numel() // q.shape[-1]
-    # the memory-efficient kernel pads each head's log-sum-exp to a multiple of 32 rows
-    padded = rows // q.shape[-2] * (-(-q.shape[-2] // 32) * 32)
-    return DecisionSpec(
-        min_bits=ATTENTION_BITS, precise_ids=frozenset({id(q), id(k)}), exact_numel=padded
-    )
-
-
-# NOTE [Small maps]
-# A channel with few elements per step (a CIFAR ResNet's 4x4, 2x2 and 1x1 maps at batch 64:
-# 1024, 256 and 64) is one group spanning the whole batch (NOTE [channel groups] in
-# gact_kernels/_layout.py), so its range is set by its most active sample; after some training
-# those channels are sparse (a median kurtosis of 13.6 over layer4's 1x1 channels of the
-# ResNet-18 layout at step 150, where a normal distribution has 3), and the other samples keep
-# few levels. Their rounding then dominates two kinds of gradient:
-# - BatchNorm on batch statistics reads its input through each channel's spread, and its
-#   backward carries that input's rounding into every earlier layer's gradient. On the ResNet-18
-#   layout after 150 steps at L1, rounding added up to 62% of the minibatch variance to a
-#   BatchNorm weight's gradient and 45% to a convolution's; with the BatchNorm inputs of maps of
-#   at most ``SMALL_MAP`` elements per channel at 6 bits, 3.5% and 15% (at 5 bits 14% and 16%).
-# - A convolution reads its input linearly into its weight's gradient, which the few active
-#   samples carry: with only the BatchNorm inputs at 6 bits, the convolutions of layer3 and
-#   layer4 (their inputs are ReLU outputs on 2x2 and 1x1 maps) kept 9-27% of their minibatch
-#   variance over 300 steps.
-# So every save of rank 4 or more with at most ``SMALL_MAP`` elements per channel (dimension 1)
-# takes ``SMALL_MAP_EXTRA_BITS`` more than the level's width (6 at L1, 4 at L1.2), and the input
-# of a BatchNorm on batch statistics of any rank with as few ``BATCH_NORM_EXTRA_BITS`` more (8 at
-# L1, 6 at L1.2): with 2 more, at lr 0.1, a BatchNorm weight of layer3 still took 8.5% of its
-# minibatch variance, with 8 bits 2.0% at the same weights (every small map at 7 bits did about
-# as well, at the same cost). Over 300 steps and 3 seeds, rounding at L1 then adds at most 4.0%
-# (lr 0.05) and 4.4% (lr 0.1) of the minibatch variance to any parameter's gradient of that
-# ResNet, the minibatch variance taken over 32 batches (BENCHMARKS.md, "Stability"). At batch
-# 64 the rule covers 31% of its quantized elements (layer2-4), the BatchNorm inputs among them
-# 17%: L1 stores 6.25x less than fp32 instead of 7.56x without it. The examples' CNNs, whose
-# maps hold 6,272 or more elements per channel at their batch size, are unchanged. Compiled
-# graphs apply the same widths: ``SaveHooks._compress`` adds the small-map bits to every save,
-# and a compiled site knows a BatchNorm's input from its forward graph, where it feeds the
-# BatchNorm op or, decomposed by inductor, a ``var_mean`` over every dimension but the channels'
-# (``CompiledSite.batch_norm_input`` in compiled_sites.py).
-# At adaptive levels the extra bits are a *preferred* width (``SiteRecord.preferred_bits``),
-# not a floor like fused attention's 6 bits: they reduce variance, not a bias, and an adaptive
-# level promises its budget. The allocation gives those saves their preferred widths where
-# the level's average (or ``memory_budget``) holds them, lowered a bit at a time where it does
-# not, down to the hard lower bounds (NOTE [Preference tiers] in adapt.py; L2.2 on that ResNet
-# gets the lower bounds: its preferred widths average 3.2 bits per element, metadata included);
-# ``SaveHooks._compress`` applies a preferred width only to the saves no allocation has placed
-# yet.
-SMALL_MAP = 1024  # elements per channel at most
-SMALL_MAP_EXTRA_BITS = 2  # bits above the level's
-BATCH_NORM_EXTRA_BITS = 4  # bits above the level's, for a BatchNorm's input
-
-
-def small_channels(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` (rank 2 or more) holds at most ``SMALL_MAP`` elements per channel
-    (dimension 1; NOTE [Small maps])."""
-    return tensor.numel() // max(tensor.shape[1], 1) <= SMALL_MAP
-
-
-def small_map_bits(tensor: torch.Tensor, nominal: int) -> int:
-    """The width a save of ``tensor`` takes at least, where a level whose width is ``nominal``
-    affords it: 2 more on small maps of rank 4 or more (NOTE [Small maps]), else 0."""
-    if tensor.dim() < 4 or not small_channels(tensor):
-        return 0
-    return min(8, nominal + SMALL_MAP_EXTRA_BITS)
-
-
-def _batch_norm(weight_at: int) -> _Rule:
-    """Rule of ``F.batch_norm`` (its weight fourth) or ``torch.batch_norm`` (second)."""
-
-    def rule(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
-        x = _arg(args, kwargs, 0, "input", None)
-        if not isinstance(x, torch.Tensor) or x.dim() < 2 or not x.numel():
-            return None
-        # both take ``training`` sixth and ``eps`` eighth (nn.BatchNorm passes True whenever
-        # it normalises by the batch's statistics)
-        if not _arg(args, kwargs, 5, "training", False):
-            return None  # running statistics: a fixed affine map of the input
-        use = None
-        if measuring():
-            weight = _arg(args, kwargs, weight_at, "weight", None)
-            eps = float(_arg(args, kwargs, 7, "eps", 1e-5))
-            use = BatchNormUse(x.numel(), weight if isinstance(weight, torch.Tensor) else None, eps)
-        # its per-channel mean and reciprocal spread are kept, as LayerNorm's per-row ones, and
-        # an input of rank 2 or 3 is grouped by channel, as those of rank 4 are
-        channels, by_channel = x.shape[1], id(x) if x.dim() < 4 else None
-        if not small_channels(x):
-            return DecisionSpec(exact_numel=channels, channels_id=by_channel, batch_norm=use)
-        return DecisionSpec(
-            extra_bits=BATCH_NORM_EXTRA_BITS, precise_ids=frozenset({id(x)}),
-            exact_numel=channels, channels_id=by_channel, batch_norm=use,
-        )  # fmt: skip
-
-    return rule
-
-
-def _row_norm(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
-    x = _arg(args, kwargs, 0, "input", None)
-    shape = _arg(args, kwargs, 1, "normalized_shape", None)
-    if isinstance(shape, int):
-        shape = (shape,)
-    if not isinstance(x, torch.Tensor) or not shape or x.numel() == 0:
-        return None
-    length = math.prod(int(n) for n in shape)
-    return DecisionSpec(exact_numel=x.numel() // length, rows_id=id(x), row_length=length)
-
-
 def _norm(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
-    order = _arg(args, kwargs, 1, "p", kwargs.get("ord", 2))
-    return _EXACT if isinstance(order, (int, float)) and math.isinf(order) else None
-
-
-def _parameter(value: Any) -> bool:
-    """A leaf tensor whose gradient autograd accumulates (a parameter, cast inside the call
-    under autocast)."""
-    return isinstance(value, torch.Tensor) and value.requires_grad and value.grad_fn is None
-
-
-def _product(
-    x_at: tuple[int, str],
-    weight_at: tuple[int, str],
-    *,
-    matrix: bool,
-    bias_at: tuple[int, str] | None = None,
-) -> _Rule:
-    """Rule of a call computing ``x W`` (rows of ``x``) with a parameter ``W`` at ``weight_at``
-    (position, keyword), a matrix if ``matrix``, plus the bias at ``bias_at`` if any:
-    ``F.linear``, ``addmm``, ``matmul``, ``mm``."""
-
-    def rule(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
-        weight = _arg(args, kwargs, *weight_at, None)
-        if not _parameter(weight) or (matrix and weight.dim() != 2):
-            return None
-        x = _arg(args, kwargs, *x_at, None)
-        if not isinstance(x, torch.Tensor) or x.dim() == 0 or not x.numel():
-            return None
-        bias = bias_at is not None and _parameter(_arg(args, kwargs, *bias_at, None))
-        return DecisionSpec(linear=LinearUse(x.numel(), None, bias))
-
-    return rule
-
-
-def _conv(dims: int) -> _Rule:
-    def rule(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
-        x, weight = _arg(args, kwargs, 0, "input", None), _arg(args, kwargs, 1, "weight", None)
-        if not (_parameter(weight) and weight.dim() == dims + 2):
-            return None
-        if not isinstance(x, torch.Tensor) or x.dim() != dims + 2 or not x.numel():
-            return None  # unbatched inputs: not measured
-
-        def per_dim(value: Any) -> tuple[int, ...]:
-            return tuple(value) if isinstance(value, (tuple, list)) else (int(value),) * dims
-
-        kernel = tuple(weight.shape[2:])
-        stride = per_dim(_arg(args, kwargs, 3, "stride", 1))
-        dilation = per_dim(_arg(args, kwargs, 5, "dilation", 1))
-        padding = _arg(args, kwargs, 4, "padding", 0)
-        if padding == "valid":
-            padding = 0
-        elif padding == "same":  # symmetric only when every dilated kernel is odd-sized
-            total = [d * (k - 1) for d, k in zip(dilation, kernel)]
-            if any(t % 2 for t in total):
-                return None
-            padding = tuple(t // 2 for t in total)
-        groups = int(_arg(args, kwargs, 6, "groups", 1))
-        return DecisionSpec(
-            linear=LinearUse(x.numel(), (stride, per_dim(padding), dilation, groups, kernel))
-        )
-
-    return rule
+    order = argument(args, kwargs, 1, "p", kwargs.get("ord", 2))
+    return EXACT if isinstance(order, (int, float)) and math.isinf(order) else None
 
 
 # NOTE [Shape-only saves]
@@ -447,12 +235,12 @@ def _conv(dims: int) -> _Rule:
 # the gradients against fp32's bit for bit on this PyTorch.
 # Another op saving the same tensor stores it as usual: a shape-only save never enters the
 # table that shares one tensor's saves (NOTE [What autograd holds] in saved.py).
-def _shape_only(position: int, name: str) -> _Rule:
+def _shape_only(position: int, name: str) -> Rule:
     """Rule of a call whose backward reads its argument at ``(position, name)`` only for its
     shape (NOTE above)."""
 
     def rule(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
-        value = _arg(args, kwargs, position, name, None)
+        value = argument(args, kwargs, position, name, None)
         if not isinstance(value, torch.Tensor) or not value.is_floating_point():
             return None
         base = value._base  # a save of a view of it (whose ``_base`` is the same root)
@@ -461,20 +249,17 @@ def _shape_only(position: int, name: str) -> _Rule:
     return rule
 
 
-_Rule = Callable[[Sequence[Any], dict[str, Any]], "DecisionSpec | None"]
-
-
-def _always(spec: DecisionSpec) -> _Rule:
+def _always(spec: DecisionSpec) -> Rule:
     return lambda args, kwargs: spec
 
 
-def _rules() -> dict[Callable[..., Any], _Rule]:
+def _rules() -> dict[Callable[..., Any], Rule]:
     positive = _always(_POSITIVE)
     relu = _always(_RELU)
-    exact = _always(_EXACT)
-    table: dict[Callable[..., Any], _Rule] = {}
+    exact = _always(EXACT)
+    table: dict[Callable[..., Any], Rule] = {}
 
-    def add(rule: _Rule, *funcs: Any) -> None:
+    def add(rule: Rule, *funcs: Any) -> None:
         for func in funcs:
             if func is not None:
                 table[func] = rule
@@ -525,8 +310,8 @@ def _rules() -> dict[Callable[..., Any], _Rule]:
     add(exact, torch.logsumexp, T.logsumexp, torch.special.logsumexp)
     add(_shape_only(0, "input"), F.nll_loss)  # reads its input for the shape of the gradient
     # Python composites DecisionMode sees as one call: what their inner calls decide or divide
-    add(_normalize, F.normalize)
-    add(_cosine_similarity, F.cosine_similarity, torch.cosine_similarity)
+    add(norm_rules.normalize, F.normalize)
+    add(norm_rules.cosine_similarity, F.cosine_similarity, torch.cosine_similarity)
     add(_kept_input, F.softsign)  # x / (1 + |x|): abs decides inside, not the output's node
     add(exact, F.lp_pool1d, F.lp_pool2d, getattr(F, "lp_pool3d", None))  # sign, relu, x ** (1/p)
     add(_reduction(4), torch.scatter_reduce, T.scatter_reduce, T.scatter_reduce_)
@@ -536,11 +321,11 @@ def _rules() -> dict[Callable[..., Any], _Rule]:
     add(_divisor, T.true_divide, T.true_divide_, T.__truediv__, T.__itruediv__)
     add(_gelu, F.gelu)
     add(_silu, F.silu)
-    add(_attention, F.scaled_dot_product_attention)
-    add(_batch_norm(3), F.batch_norm)
-    add(_batch_norm(1), torch.batch_norm)  # and aten's, which shares its name and schema
-    add(_row_norm, F.layer_norm, torch.layer_norm)
-    add(_row_norm, getattr(F, "rms_norm", None), getattr(torch, "rms_norm", None))
+    add(attention.rule, F.scaled_dot_product_attention)
+    add(norm_rules.batch_norm(3), F.batch_norm)
+    add(norm_rules.batch_norm(1), torch.batch_norm)  # and aten's, which shares its name and schema
+    add(norm_rules.row_norm, F.layer_norm, torch.layer_norm)
+    add(norm_rules.row_norm, getattr(F, "rms_norm", None), getattr(torch, "rms_norm", None))
     source = _shape_only(3, "source")
     add(source, torch.index_add, T.index_add, T.index_add_)
     add(source, torch.index_copy, T.index_copy, T.index_copy_)
@@ -559,26 +344,7 @@ def _rules() -> dict[Callable[..., Any], _Rule]:
     return table
 
 
-def _meter_rules() -> dict[Callable[..., Any], _Rule]:
-    """The rules of calls that read a save linearly into a parameter's gradient: they matter
-    only while a sensitivity meter runs (NOTE [Measured sensitivities] in measured.py)."""
-    T = torch.Tensor
-    matmul = _product((0, "input"), (1, "other"), matrix=True)
-    return {
-        F.linear: _product((0, "input"), (1, "weight"), matrix=False, bias_at=(2, "bias")),
-        **dict.fromkeys(
-            (torch.addmm, T.addmm),
-            _product((1, "mat1"), (2, "mat2"), matrix=True, bias_at=(0, "input")),
-        ),
-        **dict.fromkeys((torch.matmul, T.matmul, T.__matmul__), matmul),
-        **dict.fromkeys((torch.mm, T.mm), _product((0, "input"), (1, "mat2"), matrix=True)),
-        F.conv1d: _conv(1),
-        F.conv2d: _conv(2),
-        F.conv3d: _conv(3),
-    }
-
-
-def _by_aten_name(rules: dict[Callable[..., Any], _Rule]) -> dict[str, _Rule]:
+def _by_aten_name(rules: dict[Callable[..., Any], Rule]) -> dict[str, Rule]:
     """``torch.ops.aten.<name>`` calls reach the mode as op overloads: matched by name. Their
     arguments follow the same schema as the Python functions."""
     return {
@@ -586,57 +352,16 @@ def _by_aten_name(rules: dict[Callable[..., Any], _Rule]) -> dict[str, _Rule]:
     }
 
 
-# Calls whose backward multiplies the gradient by one saved argument to give another argument's
-# gradient (divisions too: ``a / b`` gives ``b`` the gradient ``-g a / b^2``): ``DecisionMode``
-# publishes their arguments (NOTE [Products of a shared save] in live.py).
-def _products() -> frozenset[Callable[..., Any]]:
-    T = torch.Tensor
-    funcs = [
-        torch.mul, T.mul, T.mul_, T.__mul__, T.__rmul__, T.__imul__, torch.multiply, T.multiply,
-        T.multiply_, torch.div, T.div, T.div_, T.__truediv__, T.__rtruediv__, T.__itruediv__,
-        torch.divide, T.divide, T.divide_, torch.true_divide, T.true_divide, torch.matmul,
-        T.matmul, T.__matmul__, T.__rmatmul__, torch.mm, T.mm, torch.bmm, T.bmm, torch.mv, T.mv,
-        torch.dot, T.dot, torch.vdot, torch.inner, torch.outer, T.outer, torch.ger, torch.kron,
-        torch.einsum, torch.tensordot, torch.addmm, T.addmm, T.addmm_, torch.addmv, T.addmv,
-        torch.addr, T.addr, torch.baddbmm, T.baddbmm, T.baddbmm_, torch.addbmm, torch.addcmul,
-        T.addcmul, T.addcmul_, torch.addcdiv, T.addcdiv, T.addcdiv_, torch.linalg.multi_dot,
-        torch.linalg.vecdot, torch.cross, torch.linalg.cross, torch.linalg.matmul,
-        torch.chain_matmul, torch.lerp, T.lerp, T.lerp_, F.linear, F.bilinear, F.conv1d,
-        F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d,
-    ]  # fmt: skip
-    return frozenset(f for f in funcs if f is not None)
-
-
-PRODUCTS = _products()
-
-_RULES, _METER_RULES = _rules(), _meter_rules()
+_RULES, _METER_RULES = _rules(), linear_rules.meter_rules()
 _ATEN_RULES, _ATEN_METER_RULES = _by_aten_name(_RULES), _by_aten_name(_METER_RULES)
-_meters: weakref.WeakSet[object] = weakref.WeakSet()  # running sensitivity meters
-
-
-def measuring() -> bool:
-    """Whether a sensitivity meter runs: calls that read a save linearly into a parameter's
-    gradient then publish a ``LinearUse`` (NOTE [Measured sensitivities] in measured.py);
-    otherwise they cost nothing here."""
-    return bool(_meters)
-
-
-def set_measuring(meter: object, on: bool) -> None:
-    """``meter`` starts (``on``) or stops running; a meter nobody holds any more stops."""
-    if on:
-        _meters.add(meter)
-    else:
-        _meters.discard(meter)
-
-
 # Every call of a forward passes through ``DecisionMode``, most of them (views, additions,
 # matrix products while no meter runs) without a rule: the rule of each function, ``None``
 # included, is looked up once and then read from a dictionary, one per meter state (one lookup
 # per call).
-_rule_of: tuple[dict[Callable[..., Any], _Rule | None], ...] = ({}, {})
+_rule_of: tuple[dict[Callable[..., Any], Rule | None], ...] = ({}, {})
 
 
-def find_rule(func: Callable[..., Any], metering: bool) -> _Rule | None:
+def find_rule(func: Callable[..., Any], metering: bool) -> Rule | None:
     """The rule of ``func``, with the meter rules if ``metering``."""
     known = _rule_of[metering]
     try:

@@ -4,11 +4,13 @@ meter measures (``LinearUse``, ``BatchNormUse``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-__all__ = ["BatchNormUse", "DecisionSpec", "LinearUse"]
+__all__ = ["EXACT", "BatchNormUse", "DecisionSpec", "LinearUse", "Rule", "argument"]
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,7 @@ class DecisionSpec:
             (NOTE [Attention and row normalisations] in decision_rules.py); 0 sets none.
         extra_bits: the saves of ``precise_ids`` prefer this many bits more than the level's
             width (its nominal width at adaptive levels), at most 8, where the level affords
-            them (BatchNorm of small maps: NOTE [Small maps] in decision_rules.py); 0 adds none.
+            them (BatchNorm of small maps: NOTE [Small maps] in norm_rules.py); 0 adds none.
         precise_ids: ``id()`` of the call's arguments that take ``min_bits`` and
             ``extra_bits`` when saved.
         exact_numel: saves made during the call with at most this many elements are kept
@@ -186,3 +188,18 @@ class DecisionSpec:
         ident = id(tensor)
         precise = ident in self.precise_ids and bool(self.min_bits or self.extra_bits)
         return precise or ident == self.rows_id or ident == self.channels_id
+
+
+EXACT = DecisionSpec(exact=True)  # the spec of a call whose saves are all kept
+
+# A call's rule: its ``DecisionSpec`` from its arguments, ``None`` when its saves need none.
+Rule = Callable[[Sequence[Any], dict[str, Any]], "DecisionSpec | None"]
+
+
+def argument(
+    args: Sequence[Any], kwargs: dict[str, Any], position: int, name: str, default: Any
+) -> Any:
+    """A call's argument at ``position``, or passed as ``name``, or ``default``."""
+    if len(args) > position:
+        return args[position]
+    return kwargs.get(name, default)

@@ -24,8 +24,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from . import attention
-from .decision_rules import PRODUCTS, find_rule, measuring
+from .decision_rules import find_rule
 from .decision_spec import DecisionSpec
+from .linear_rules import PRODUCTS, measuring
 
 __all__ = [
     "DECISION_NODES",
@@ -163,7 +164,7 @@ def current_spec() -> DecisionSpec | None:
 
 
 def product_factors() -> list[torch.Tensor]:
-    """The tensor arguments of the product (``decision_rules.PRODUCTS``) running on this thread
+    """The tensor arguments of the product (``linear_rules.PRODUCTS``) running on this thread
     under ``DecisionMode``, if one runs (NOTE [Products of a shared save] in live.py)."""
     call = getattr(_local, "factors", None)
     if call is None:

@@ -16,7 +16,7 @@ import gact_kernels
 import torch
 from torch import nn
 
-from . import compiled, decision_rules, decisions
+from . import compiled, decisions, norm_rules
 from .compiled_sites import CompiledSite, kept_sites
 from .decision_spec import DecisionSpec
 from .errors import GactWarning
@@ -262,8 +262,8 @@ class SaveHooks(Storing):
             row_length=site.row_length,
             # as _batch_norm's rule in eager code
             channels_id=id(tensor) if site.batch_norm_input and tensor.dim() < 4 else None,
-            extra_bits=decision_rules.BATCH_NORM_EXTRA_BITS
-            if site.batch_norm_input and decision_rules.small_channels(tensor)
+            extra_bits=norm_rules.BATCH_NORM_EXTRA_BITS
+            if site.batch_norm_input and norm_rules.small_channels(tensor)
             else 0,
             arguments=frozenset() if site.log_probabilities else None,  # stored as exp(tensor)
         )

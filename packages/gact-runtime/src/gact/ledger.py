@@ -83,7 +83,7 @@ class SiteRecord:
     metadata_bits: float | None = None
     # the smallest width the saving call allows (NOTE [Attention and row normalisations])
     min_bits: int = 0
-    # the width the save takes where the level affords it (NOTE [Small maps] in decision_rules.py)
+    # the width the save takes where the level affords it (NOTE [Small maps] in norm_rules.py)
     preferred_bits: int = 0
 
 

@@ -135,7 +135,7 @@ class LiveTable:
 # requires grad) and a later product that reads the same tensor with a factor computed from it:
 # the first reader's output must lead to that factor, so it runs first, and the two meet in
 # the first reader's gradient of its factor. ``DecisionMode`` publishes the arguments of
-# products and divisions (``decision_rules.PRODUCTS``); a factor may be computed from the saved
+# products and divisions (``linear_rules.PRODUCTS``); a factor may be computed from the saved
 # tensor when its autograd node (of its base, for a view) is younger than the tensor's
 # (``_sequence_nr``: autograd numbers the nodes of a thread in creation order), or the tensor
 # has none. Such a product stores the tensor again, with its own rounding, and the ledger counts

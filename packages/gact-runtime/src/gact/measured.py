@@ -11,7 +11,7 @@ import gact_kernels
 import gact_policy
 import torch
 
-from . import decision_rules, decisions, rotation
+from . import decisions, linear_rules, rotation
 from .decision_spec import BatchNormUse, DecisionSpec, LinearUse
 from .measured_compiled import Fingerprint, fingerprint
 from .measured_norms import Normalised, Producer
@@ -111,12 +111,12 @@ class SensitivityMeter:
         self._adopted: dict[str, float] = {}
 
     def start(self) -> None:
-        """Make linear calls publish their use (``decision_rules.measuring``) until ``stop()`` or
+        """Make linear calls publish their use (``linear_rules.measuring``) until ``stop()`` or
         until nothing holds the meter any more."""
-        decision_rules.set_measuring(self, True)
+        linear_rules.set_measuring(self, True)
 
     def stop(self) -> None:
-        decision_rules.set_measuring(self, False)
+        linear_rules.set_measuring(self, False)
         self._producers = ()
 
     def saved(

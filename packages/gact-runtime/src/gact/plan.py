@@ -110,7 +110,7 @@ class BitPlan:
 
     def allocated(self, key: str) -> bool:
         """Whether an adaptive level's allocation placed ``key`` (weighing its preferred width
-        against the budget: NOTE [Small maps] in decision_rules.py)."""
+        against the budget: NOTE [Small maps] in norm_rules.py)."""
         return self._fixed_bits is None and self.probe is None and key in self.bits
 
     def bits_for(self, key: str) -> int | None:

@@ -60,17 +60,18 @@ _ticks = itertools.count(1)
 #   the model (``torch.compile(model)`` made after the hooks were installed, or without the
 #   controller seeing it) and enters the scope there, before dynamo's frame, setting
 #   ``_in_compiled_module``; the model's root hooks then return at once, a flag read that
-#   dynamo traces and guards on, with no graph break. Before, the compiled forward of an ``nn.Sequential``
-#   compiled after ``install_hook()`` ran eagerly on torch 2.11, every save kept. A compiled
-#   module seen called with gradients on is remembered (``compiled_module``, a weak reference)
-#   and the next ``attach`` hooks it alone, as if it had been given: hooks registered anew on
-#   every module at each install fail dynamo's guards, so a model compiled after
-#   ``install_hook()`` (the Trainer's ``torch_compile=True`` under a callback that installs
-#   around every step) recompiled at each cycle, and past dynamo's recompile limit (8) ran
-#   eagerly with every save kept. A module compiled for evaluation (called under ``no_grad``)
-#   is not remembered, so the eager model's training stays in the controlled forward; a step
-#   that saves tensors without calling it (the uncompiled model trained: its saves were kept)
-#   forgets it, with a warning, and the next install hooks every module again.
+#   dynamo traces and guards on, with no graph break. Before, the compiled forward of an
+#   ``nn.Sequential`` compiled after ``install_hook()`` ran eagerly on torch 2.11, every save
+#   kept.
+# - A compiled module seen called with gradients on is remembered (``compiled_module``, a weak
+#   reference) and the next ``attach`` hooks it alone, as if it had been given: hooks
+#   registered anew on every module at each install fail dynamo's guards, so a model compiled
+#   after ``install_hook()`` (the Trainer's ``torch_compile=True`` under a callback that
+#   installs around every step) recompiled at each cycle, and past dynamo's recompile limit (8)
+#   ran eagerly with every save kept. A module compiled for evaluation (called under
+#   ``no_grad``) is not remembered, so the eager model's training stays in the controlled
+#   forward; a step that saves tensors without calling it (the uncompiled model trained: its
+#   saves were kept) forgets it, with a warning, and the next install hooks every module again.
 # - Where no compiled module wraps the model (``model.compile()``, which compiles
 #   ``_call_impl`` and so runs the root's hooks in a frame dynamo skips, or a compiled function
 #   that calls the model), the root's hooks enter through a ``torch._dynamo.disable``-d call,

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import gact_kernels
 import torch
 
-from . import decision_rules, decisions, pointwise, rotation
+from . import decisions, norm_rules, pointwise, rotation
 from .config import GactConfig
 from .decision_spec import DecisionSpec
 from .decisions import Decision
@@ -188,7 +188,7 @@ class Storing:
                 floor = 0 if spec is None else spec.bits_floor(tensor)
                 preferred = max(
                     0 if spec is None else spec.preferred_bits(tensor, nominal),
-                    decision_rules.small_map_bits(data, nominal),
+                    norm_rules.small_map_bits(data, nominal),
                 )
             bits = max(bits, floor, 0 if self.plan.allocated(key) else preferred)
             plan = self.plan
