@@ -64,9 +64,14 @@ _INSTALLED: weakref.WeakSet[Controller] = weakref.WeakSet()
 # installed, every parameter that requires grad counts the gradients accumulated into it (a
 # post-accumulate-grad hook, one Python call per parameter and backward); a framework that
 # zeroes the gradients before ``iterate`` (the Trainer's ``on_step_end``) leaves the count. A
-# closure that sets ``p.grad`` itself (``torch.autograd.grad``), and parameters that came to
-# require grad after ``install_hook()`` (no hook), show in the gradients written since the step
-# began (weak references and versions, ``_grads_written``).
+# closure that sets ``p.grad`` itself (``torch.autograd.grad``) shows in the gradients written
+# since the step began (weak references, ``_grads_written``), and so do parameters that came to
+# require grad after ``install_hook()`` (no hook; their gradients' versions too). A counted
+# parameter's version is not read: gradient clipping and ``GradScaler.unscale_`` rescale
+# gradients in place between a step's backward and ``optimizer.step()``, after ``iterate`` ended
+# the step, and read as a backward of the next step they made ``iterate`` skip every closure.
+# Nor do unpacks of saves made outside the model count (``SaveHooks.unpacked_inside``): another
+# model's backward between steps (a GAN's discriminator) unpacks those.
 def _count_accumulations(model: nn.Module, counter: list[int]) -> list[RemovableHandle]:
     """Hooks that add 1 to ``counter[0]`` whenever a gradient accumulates into a parameter of
     ``model`` that requires grad (NOTE above)."""
@@ -77,6 +82,11 @@ def _count_accumulations(model: nn.Module, counter: list[int]) -> list[Removable
     return [
         p.register_post_accumulate_grad_hook(count) for p in model.parameters() if p.requires_grad
     ]
+
+
+def _counted(param: torch.Tensor) -> bool:
+    """Whether ``param`` has an accumulation-counting hook (NOTE [Backwards seen])."""
+    return bool(getattr(param, "_post_accumulate_grad_hooks", None))
 
 
 def _top_saved_tensors_hooks() -> tuple[Callable, Callable] | None:
@@ -336,10 +346,10 @@ class Controller:
             not self._explicit_steps
             and not self.hooks.probing  # a probe's forward never ends the user's step
             and self.ledger.current
-            and self.hooks.unpacked > self._unpacked_at_forward
+            and self.hooks.unpacked_inside > self._unpacked_at_forward
         ):
             self._end_step("auto")
-        self._unpacked_at_forward = self.hooks.unpacked
+        self._unpacked_at_forward = self.hooks.unpacked_inside
         self._recorded_at_forward = self.ledger.recorded
         self.pacing.arm()
 
@@ -443,7 +453,7 @@ class Controller:
         # a compiled graph that keeps all its saves runs no GACT hook: its backward shows in the
         # gradients it accumulated (NOTE [Backwards seen])
         ran_backward = (
-            (self.ledger.current and self.hooks.unpacked > self._unpacked_at_boundary)
+            (self.ledger.current and self.hooks.unpacked_inside > self._unpacked_at_boundary)
             or self._accumulated[0] > self._accumulated_at_boundary
             or self._grads_written(self._grads_at_boundary)
         )
@@ -495,10 +505,14 @@ class Controller:
         """Run ``closure`` and check that it ran a backward pass (NOTE [Backwards seen])."""
         if not callable(closure):
             raise TypeError(f"closure must be callable, got {type(closure).__name__}")
-        before, accumulated, grads = self.hooks.unpacked, self._accumulated[0], self._grad_marks()
+        before, accumulated, grads = (
+            self.hooks.unpacked_inside,
+            self._accumulated[0],
+            self._grad_marks(),
+        )
         result = closure()
         if (
-            self.hooks.unpacked == before
+            self.hooks.unpacked_inside == before
             and self._accumulated[0] == accumulated
             and not self._grads_written(grads)
         ):
@@ -513,14 +527,18 @@ class Controller:
         references: a strong one would keep the last step's gradients alive through a
         ``zero_grad()``, one more copy of every gradient at the step's peak."""
         return [
-            (None, None) if p.grad is None else (weakref.ref(p.grad), p.grad._version)
+            (None, None)
+            if p.grad is None
+            else (weakref.ref(p.grad), None if _counted(p) else p.grad._version)
             for p in self.model.parameters()
         ]
 
     def _grads_written(self, marks: list[tuple[weakref.ref | None, int | None]]) -> bool:
-        """Whether a parameter's gradient was written since ``marks`` were taken."""
+        """Whether a parameter's gradient was written since ``marks`` were taken: set anew, or
+        changed in place where no hook counts its accumulations (NOTE [Backwards seen])."""
         return any(
-            p.grad is not None and (ref is None or ref() is not p.grad or p.grad._version != v)
+            p.grad is not None
+            and (ref is None or ref() is not p.grad or (v is not None and p.grad._version != v))
             for p, (ref, v) in zip(self.model.parameters(), marks)
         )
 
@@ -586,7 +604,7 @@ class Controller:
         self.ledger.close()
         self.plan.step += 1
         self._last_boundary = boundary
-        self._unpacked_at_boundary = self.hooks.unpacked
+        self._unpacked_at_boundary = self.hooks.unpacked_inside
         self._accumulated_at_boundary = self._accumulated[0]
         self._grads_at_boundary = self._grad_marks()
         if self.hooks.swapper is not None:

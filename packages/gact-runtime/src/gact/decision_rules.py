@@ -171,10 +171,13 @@ def _grid(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
 # is where language models' losses compute it, inside the model when ``labels=`` is passed to a
 # transformers model. ``logsumexp`` reads ``exp(x - r)`` from two saves, its input and its result,
 # which no single stored tensor gives: both are kept (on rows of 1,000 logits spanning tens of nats
-# its gradient was 1.6 off, relative norm).
-def _log_probabilities(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
-    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-    return DecisionSpec(arguments=frozenset(map(id, tensors)))
+# its gradient was 1.6 off, relative norm). The saves stored as probabilities are the
+# ``log_softmax`` output and views of it (``cross_entropy`` saves one for ``nll_loss2d``), told
+# by their autograd node: ``cross_entropy``'s other saves (soft targets, the smoothed target it
+# computes for ``label_smoothing``, ``nll_loss``'s 0-d total weight) are no log-probabilities.
+# Stored as ``exp`` of themselves, a smoothed target's rounding was biased, and a total weight
+# of 128 became ``exp(128) = inf`` (with ``min_numel=0``): every gradient came out 0.
+_LOG_SOFTMAX = DecisionSpec(log_softmax=True)
 
 
 def _kept_input(args: Sequence[Any], kwargs: dict[str, Any]) -> DecisionSpec | None:
@@ -304,7 +307,7 @@ def _rules() -> dict[Callable[..., Any], Rule]:
     for name in _INVERSES:
         add(exact, getattr(torch, name, None), getattr(T, name, None))
     add(_grid, F.grid_sample)
-    add(_log_probabilities, F.log_softmax, torch.log_softmax, T.log_softmax, F.cross_entropy)
+    add(_always(_LOG_SOFTMAX), F.log_softmax, torch.log_softmax, T.log_softmax, F.cross_entropy)
     # logsumexp: its backward reads exp(x - result), biased from rounded x (NOTE
     # [Log-probabilities])
     add(exact, torch.logsumexp, T.logsumexp, torch.special.logsumexp)

@@ -111,10 +111,13 @@ class DecisionSpec:
             their shape: stored as the shape alone (NOTE [Shape-only saves] in decision_rules.py).
         recompute: the call runs as ``attention.recomputed``, whose backward recomputes it from
             its rounded saves (NOTE [Attention from its rounded inputs] in attention.py).
-        arguments: for a call saving log-probabilities its backward reads through ``exp``
-            (``log_softmax``, ``cross_entropy``), the ``id()`` of its arguments: its other
-            floating-point saves are stored as probabilities (NOTE [Log-probabilities] in
-            decision_rules.py); ``None`` for other calls.
+        log_softmax: the call computes a ``log_softmax`` (``log_softmax``, ``cross_entropy``)
+            whose output its backward reads through ``exp``: the saves made during the call
+            that are that output, or views of it (their autograd node, or their base's, is
+            ``log_softmax``'s), are stored as probabilities (NOTE [Log-probabilities] in
+            decision_rules.py).
+        log_probabilities_id: ``id()`` of the one save of the call stored so (a compiled
+            graph's, whose tensors have no autograd node).
     """
 
     predicates: tuple[tuple[bool, float], ...] = ()
@@ -135,7 +138,8 @@ class DecisionSpec:
     only_decisions: bool = False
     shape_ids: frozenset[int] = frozenset()
     recompute: bool = False
-    arguments: frozenset[int] | None = None
+    log_softmax: bool = False
+    log_probabilities_id: int | None = None
 
     @property
     def decides(self) -> bool:
@@ -171,11 +175,13 @@ class DecisionSpec:
     def log_probabilities(self, tensor: torch.Tensor) -> bool:
         """Whether a save of ``tensor`` made during the call holds log-probabilities its
         backward reads through ``exp`` (NOTE [Log-probabilities] in decision_rules.py)."""
-        return (
-            self.arguments is not None
-            and tensor.is_floating_point()
-            and id(tensor) not in self.arguments
-        )
+        if self.log_probabilities_id is not None:
+            return id(tensor) == self.log_probabilities_id
+        if not self.log_softmax:
+            return False
+        base = tensor._base
+        node = (tensor if base is None else base).grad_fn
+        return node is not None and type(node).__name__ == "LogSoftmaxBackward0"
 
     def keeps(self, tensor: torch.Tensor) -> bool:
         """Whether a save of ``tensor`` made during the call is kept uncompressed."""

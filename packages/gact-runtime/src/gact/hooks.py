@@ -35,8 +35,8 @@ from .saved import (
     SavedShape,
     SavedView,
 )
-from .scope import Frame, ScopeTracker
-from .storing import Storing, feature_dim
+from .scope import OUTSIDE, Frame, ScopeTracker
+from .storing import PARAMETERS_KEY, Storing, feature_dim
 from .swap import Swapper
 
 if TYPE_CHECKING:
@@ -104,6 +104,10 @@ def _profiled(name: str) -> contextlib.AbstractContextManager[object]:
 _installed = threading.local()
 
 
+# the keys of saves that no forward of the model made: counted out of ``unpacked_inside``
+_NOT_THE_MODELS = (OUTSIDE, PARAMETERS_KEY)
+
+
 def installed_hooks() -> list[SaveHooks]:
     """The ``SaveHooks`` installed on this thread, oldest first."""
     hooks = getattr(_installed, "hooks", None)
@@ -144,7 +148,9 @@ class SaveHooks(Storing):
         self.shaped = LiveTable()  # tensors saved as their shape (NOTE [Shape-only saves])
         self.boundaries = LiveStorages()  # NOTE [Boundary saves], NOTE [Aliased saves]
         self.pending: collections.deque[SavedCompressed] = collections.deque()  # NOTE below
-        self.unpacked = 0  # unpack calls so far: tells whether a closure ran a backward
+        # unpacks of saves made in the model's forward so far: tell whether a closure ran a
+        # backward (NOTE [Backwards seen] in controller.py)
+        self.unpacked_inside = 0
         self.probing = False  # a ProbeSession is running its probes
         self.meter: SensitivityMeter | None = None  # NOTE [Measured sensitivities]
         self.on_compiled: Callable[[], None] = lambda: None  # set by the Controller
@@ -191,7 +197,7 @@ class SaveHooks(Storing):
     def unpack(self, saved: Saved | object) -> torch.Tensor:
         if not isinstance(saved, Saved):  # AOTAutograd traces a compiled graph's unpack
             return compiled.unpack_traced(saved, compiled.tracing_context())
-        self.unpacked += 1
+        self.unpacked_inside += not saved.key.startswith(_NOT_THE_MODELS)
         with _profiled("gact::unpack"):
             if self.pending:
                 self.settle()
@@ -265,7 +271,8 @@ class SaveHooks(Storing):
             extra_bits=norm_rules.BATCH_NORM_EXTRA_BITS
             if site.batch_norm_input and norm_rules.small_channels(tensor)
             else 0,
-            arguments=frozenset() if site.log_probabilities else None,  # stored as exp(tensor)
+            # stored as exp(tensor)
+            log_probabilities_id=id(tensor) if site.log_probabilities else None,
         )
         kind, compact = self._classify(key, tensor, spec, inside=True, exact=False)
         boundary = site.graph_input or site.graph_output  # NOTE [Boundary saves]

@@ -19,9 +19,9 @@ from .plan import BitPlan
 from .recomputed import ActivationCall
 from .saved import Saved, SavedCompressed, SavedDecisions, SavedKept
 
-__all__ = ["FEATURE_GROUP_BITS", "Storing", "feature_dim"]
+__all__ = ["FEATURE_GROUP_BITS", "PARAMETERS_KEY", "Storing", "feature_dim"]
 
-_PARAM_KEY = "<parameters>"  # ledger key of every parameter/buffer save
+PARAMETERS_KEY = "<parameters>"  # ledger key of every parameter/buffer save
 
 
 class Storing:
@@ -69,8 +69,8 @@ class Storing:
 
     def _kept_parameter(self, tensor: torch.Tensor) -> SavedKept:
         """A save of a parameter or buffer: state, counted and kept as it is."""
-        self.ledger.record(_PARAM_KEY, tensor, Kind.PARAMETER, None, 0)
-        return SavedKept(tensor, _PARAM_KEY)
+        self.ledger.record(PARAMETERS_KEY, tensor, Kind.PARAMETER, None, 0)
+        return SavedKept(tensor, PARAMETERS_KEY)
 
     def _classify(
         self,
