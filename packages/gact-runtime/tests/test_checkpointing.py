@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 from gact import Controller, GactConfig
+from gact.hooks import CHECKPOINT
 from gact.ledger import Kind
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -55,7 +56,7 @@ def test_region_inputs_and_recomputation(compress, monkeypatch):
 
     def recording(tensor: torch.Tensor, **kwargs: Any) -> Any:
         saved = pack_own(tensor, **kwargs)
-        packs.append((saved.key, kwargs.get("region_input", False)))
+        packs.append((saved.key, kwargs.get("made_by") == CHECKPOINT))
         return saved
 
     monkeypatch.setattr(ctl.hooks, "pack_own", recording)
@@ -194,7 +195,7 @@ def test_reentrant_checkpointing_keeps_its_inputs_too(monkeypatch):
     pack_own = ctl.hooks.pack_own
 
     def recording(tensor: torch.Tensor, **kwargs: Any) -> Any:
-        regions.append(kwargs.get("region_input", False))
+        regions.append(kwargs.get("made_by") == CHECKPOINT)
         return pack_own(tensor, **kwargs)
 
     monkeypatch.setattr(ctl.hooks, "pack_own", recording)

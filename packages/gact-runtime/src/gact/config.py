@@ -126,6 +126,12 @@ class GactConfig:
             their memory but makes the region's gradient that of its dequantized input, biased
             wherever the region decides (ReLU and the like: NOTE [Checkpointed regions] in
             hooks.py).
+        compress_custom_functions: also compress what a ``torch.autograd.Function`` of the
+            user's or of a library (not GACT's own) saves with ``ctx.save_for_backward``.
+            ``False`` (the default) keeps it as it is: the function's backward is code GACT
+            cannot read, and one that decides on a save (a hand-written ReLU's ``x > 0``)
+            gives a biased gradient from a rounded one (NOTE [Custom functions] in hooks.py);
+            ``True`` saves its memory where every such backward reads its saves linearly.
 
     Example::
 
@@ -151,6 +157,7 @@ class GactConfig:
     rotated_groups: bool = True
     recompute_activations: bool = True
     compress_checkpoint_inputs: bool = False
+    compress_custom_functions: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.level, str) or self.level not in LEVELS:
@@ -191,7 +198,7 @@ class GactConfig:
         _check_int("seed", self.seed, 0, 2**64 - 1)
         for flag in (
             "measure_linear", "derivative_tables", "channel_groups", "rotated_groups",
-            "recompute_activations", "compress_checkpoint_inputs",
+            "recompute_activations", "compress_checkpoint_inputs", "compress_custom_functions",
         ):  # fmt: skip
             value = getattr(self, flag)
             if not isinstance(value, bool):

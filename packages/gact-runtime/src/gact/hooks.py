@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from . import compiled, decisions, norm_rules
+from .attention import RecomputedAttention
 from .compiled_sites import CompiledSite, kept_sites
 from .decision_spec import DecisionSpec
 from .errors import GactWarning
@@ -42,7 +43,7 @@ from .swap import Swapper
 if TYPE_CHECKING:
     from .measured import SensitivityMeter
 
-__all__ = ["SaveHooks", "installed_hooks"]
+__all__ = ["CHECKPOINT", "COMPRESSED_FUNCTIONS", "FUNCTION", "SaveHooks", "installed_hooks"]
 
 # NOTE [Checkpointed regions]
 # Non-reentrant ``torch.utils.checkpoint`` is itself a pair of saved-tensor hooks: inside a
@@ -64,18 +65,48 @@ __all__ = ["SaveHooks", "installed_hooks"]
 _CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
 _FUNCTION_FILE = os.path.join("torch", "autograd", "function.py")
 
+# NOTE [Custom functions]
+# A ``torch.autograd.Function``'s backward is Python code GACT cannot read: ``DecisionMode``
+# sees the ops of its forward, which run without autograd and save nothing, but not what the
+# backward does with ``ctx.save_for_backward``'s tensors. One that decides on a save (a
+# hand-written ReLU's ``g * (x > 0)``, a fused activation's) decided on the rounded values,
+# and its gradient was biased: a custom ReLU's first-layer weight gradient 24% of its norm off
+# at 4 bits, however many seeds were averaged (``torch.relu``'s, whose rule GACT knows: within
+# noise). So what a custom Function saves is kept as it is, unless
+# ``compress_custom_functions``; it is recognised, like a reentrant checkpoint's save, by
+# ``Function.apply`` being the Python frame that packs it. GACT's own Function
+# (``RecomputedAttention``, built to be compressed) is compressed as usual, and so are the
+# library Functions in ``COMPRESSED_FUNCTIONS``, whose backwards read their saves linearly or
+# through a smooth function (as GACT's rules find for the built-in ops): BLOOM's GELU, whose
+# input is the largest save of its MLP. Matched by module and qualified name, so that the
+# library need not be installed.
+CHECKPOINT, FUNCTION = "checkpoint", "function"  # who made a save (``_made_by``)
+COMPRESSED_FUNCTIONS: frozenset[tuple[str, str]] = frozenset(
+    {("transformers.models.bloom.modeling_bloom", "GeLUFunction")}
+)
 
-def _from_checkpoint() -> bool:
-    """Whether the save being packed was made by torch's checkpoint.py (NOTE [Checkpointed
-    regions]): directly (non-reentrant), or through ``Function.apply`` (reentrant)."""
+
+def _made_by() -> str | None:
+    """Who made the save being packed: ``CHECKPOINT`` (torch's checkpoint.py, directly or
+    through ``Function.apply``: NOTE [Checkpointed regions]), ``FUNCTION`` (another
+    ``torch.autograd.Function`` than GACT's own: NOTE [Custom functions]), else ``None``."""
     try:
-        frame = sys._getframe(2)  # _from_checkpoint <- pack <- the code that saved
+        frame = sys._getframe(2)  # _made_by <- pack <- the code that saved
     except ValueError:  # no Python code made it (a save on a thread of PyTorch's own)
-        return False
+        return None
     code = frame.f_code
     if code.co_name == "apply" and code.co_filename.endswith(_FUNCTION_FILE):
-        frame = frame.f_back
-    return frame is not None and frame.f_code.co_filename.endswith(_CHECKPOINT_FILE)
+        caller = frame.f_back
+        if caller is not None and caller.f_code.co_filename.endswith(_CHECKPOINT_FILE):
+            return CHECKPOINT
+        cls = frame.f_locals.get("cls")
+        if cls is RecomputedAttention or (
+            (getattr(cls, "__module__", None), getattr(cls, "__qualname__", None))
+            in COMPRESSED_FUNCTIONS
+        ):
+            return None
+        return FUNCTION
+    return CHECKPOINT if code.co_filename.endswith(_CHECKPOINT_FILE) else None
 
 
 # NOTE [Profiler ranges]
@@ -189,10 +220,10 @@ class SaveHooks(Storing):
         context = compiled.tracing_context()
         if context is not None:  # AOTAutograd traces a compiled graph's save
             return tensor if owner is None else compiled.pack_traced(owner, tensor, context)
-        with _profiled("gact::pack"):  # a with block adds no frame: see _from_checkpoint
+        with _profiled("gact::pack"):  # a with block adds no frame: see _made_by
             if owner is None:
                 return self.pack_own(tensor, inside=False)
-            return owner.pack_own(tensor, inside=True, region_input=_from_checkpoint())
+            return owner.pack_own(tensor, inside=True, made_by=_made_by())
 
     def unpack(self, saved: Saved | object) -> torch.Tensor:
         if not isinstance(saved, Saved):  # AOTAutograd traces a compiled graph's unpack
@@ -345,10 +376,11 @@ class SaveHooks(Storing):
     # rotation.py). The kernels' containers are built without re-validation (NOTE [container
     # invariants] in gact_kernels/_compressed.py).
     # packages/gact-runtime/benchmarks/bench_saves.py measures what a save costs.
-    def pack_own(self, tensor: torch.Tensor, *, inside: bool, region_input: bool = False) -> Saved:
+    def pack_own(self, tensor: torch.Tensor, *, inside: bool, made_by: str | None = None) -> Saved:
         """Pack a save made in this controller's model (or, ``inside=False``, outside every
-        controlled model: then it is kept as it is); ``region_input``: ``torch.utils.checkpoint``
-        keeps ``tensor`` for a region it will recompute."""
+        controlled model: then it is kept as it is); ``made_by``: ``CHECKPOINT`` when
+        ``torch.utils.checkpoint`` keeps ``tensor`` for a region it will recompute,
+        ``FUNCTION`` when a custom ``torch.autograd.Function`` saved it (``_made_by``)."""
         if type(tensor) not in (torch.Tensor, nn.Parameter) or tensor.is_meta:
             return SavedKept(tensor, "<unsupported>")  # tensor subclasses, meta: not ours
         if self.is_parameter(tensor):
@@ -380,7 +412,10 @@ class SaveHooks(Storing):
             hit = self._read_for_values(hit, tensor)
         if hit is None and inside:  # outside, saves are kept (NOTE [What autograd holds])
             hit = self._view_of_live_save(tensor, view)
-        exact = region_input and not self.plan.config.compress_checkpoint_inputs
+        config = self.plan.config
+        exact = (made_by == CHECKPOINT and not config.compress_checkpoint_inputs) or (
+            made_by == FUNCTION and not config.compress_custom_functions
+        )
         if inside and self.tracker.compiled():  # eager code in a compiled forward
             self.on_compiled()
             exact = True  # see NOTE [Compiled forwards] in scope.py
