@@ -24,7 +24,7 @@ activation checkpointing around every block that saves the outputs of matrix pro
 convolutions and recomputes the rest; ``budget``, ``torch.compile`` with
 ``torch._functorch.config.activation_memory_budget = 0.5``; GACT ``L1``, ``L2``, ``L2.2``; and GACT
 with every block checkpointed, ``L1+ckpt`` and ``L2+ckpt`` (GACT compresses what is saved outside
-the blocks and keeps the blocks' inputs, NOTE [Checkpointed regions] in gact/hooks.py) and
+the blocks and keeps the blocks' inputs, NOTE [Checkpointed regions] in gact/origins.py) and
 ``L1+ckpt+ci`` (``compress_checkpoint_inputs=True``: the blocks' inputs compressed too). On CUDA
 also ``offload``, ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` around the whole step
 (every saved tensor waits in pinned host memory), and GACT ``L3`` (L2's payloads wait there).

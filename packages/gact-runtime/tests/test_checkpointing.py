@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 from gact import Controller, GactConfig
-from gact.hooks import CHECKPOINT
 from gact.ledger import Kind
+from gact.origins import CHECKPOINT
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 

@@ -1021,7 +1021,7 @@ def test_compiled_recomputation_never_decides_on_rounded_values() -> None:
     """Checkpointed blocks in a compiled model: the backward recomputes each block from its saved
     input, and the recomputed ReLU decides on ``input @ W + b``. Compressing that input would
     make those decisions on rounded values: the gradient is then biased (26% on such blocks in
-    eager code, NOTE [Checkpointed regions] in hooks.py). The mean of the first block's weight
+    eager code, NOTE [Checkpointed regions] in origins.py). The mean of the first block's weight
     gradient over 100 rounding seeds must lie within 5 standard errors of the fp32 one for every
     element (false-alarm probability below 1e-6 per element)."""
     model = _CheckpointedBlocks()

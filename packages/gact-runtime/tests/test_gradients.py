@@ -90,7 +90,7 @@ class _WithCustomReLU(nn.Module):
 
 @pytest.mark.parametrize("compress", [False, True])
 def test_what_a_custom_function_saves_is_kept(compress: bool) -> None:
-    """NOTE [Custom functions] in hooks.py: a ``torch.autograd.Function``'s backward is code
+    """NOTE [Custom functions] in origins.py: a ``torch.autograd.Function``'s backward is code
     GACT cannot read, so what it saves with ``save_for_backward`` is kept as it is, unless
     ``compress_custom_functions``. A custom ReLU's decision on a rounded input biased the first
     layer's weight gradient by 24% of its norm at 4 bits (200 seeds). The test: that gradient

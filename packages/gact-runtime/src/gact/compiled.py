@@ -300,7 +300,7 @@ class SaveHookModule(torch.fx.GraphModule):
         self.fn = fn
         # GraphModule gives each instance a class of its own, whose __call__ runs the graph.
         # A bound method is no descriptor: calling the module calls ``fn`` with no frame or
-        # binding in between (``_made_by`` in hooks.py counts the frames to its caller).
+        # binding in between (``made_by`` in origins.py counts the frames to its caller).
         type(self).__call__ = fn
         never_compiled(fn)
 
@@ -314,7 +314,7 @@ class SaveHookModule(torch.fx.GraphModule):
 # marked to be skipped (``FrameAction.SKIP`` for the frame and, recursively, its callees): the
 # eager path runs as plain Python, as it does outside compiled code. Marking the code object
 # adds no frame and no per-call cost, unlike a ``torch._dynamo.disable`` wrapper (a frame more,
-# which ``_made_by`` would count). AOTAutograd's tracing of the hooks (NOTE [Compiled
+# which ``origins.made_by`` would count). AOTAutograd's tracing of the hooks (NOTE [Compiled
 # saves]) calls them with the callback unset, so it is unaffected.
 def never_compiled(fn: Callable[..., Any]) -> None:
     """Mark ``fn``'s code (a function or bound method) so dynamo neither compiles it nor any

@@ -72,7 +72,7 @@ __all__ = ["CompiledSite", "SaveOutputs", "add_kept", "kept_sites"]
 #   BatchNorm + ReLU, a checkpointed block's ``relu(x @ w)``), a comparison with another tensor,
 #   a divisor (recomputed or not), a reciprocal and a use GACT does not know keep the tensor as
 #   it is: rounding it would make the decision on rounded values, biased, not noisy (the 26% of
-#   NOTE [Checkpointed regions] in hooks.py), and a divisor near 0 turns rounding into unbounded
+#   NOTE [Checkpointed regions] in origins.py), and a divisor near 0 turns rounding into unbounded
 #   error. A divisor ``exp(...) + c`` with ``c > 0`` is never near 0: ``1 / (1 + exp(-x))`` is
 #   a sigmoid (torch 2.11's inductor writes SiLU's backward so), a smooth use. Per-row
 #   statistics (a trailing dimension of 1) are kept like eager code's; fused attention gives q

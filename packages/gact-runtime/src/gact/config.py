@@ -125,12 +125,12 @@ class GactConfig:
             the region's recomputation, and the gradient it gives, stay exact; ``True`` saves
             their memory but makes the region's gradient that of its dequantized input, biased
             wherever the region decides (ReLU and the like: NOTE [Checkpointed regions] in
-            hooks.py).
+            origins.py).
         compress_custom_functions: also compress what a ``torch.autograd.Function`` of the
             user's or of a library (not GACT's own) saves with ``ctx.save_for_backward``.
             ``False`` (the default) keeps it as it is: the function's backward is code GACT
             cannot read, and one that decides on a save (a hand-written ReLU's ``x > 0``)
-            gives a biased gradient from a rounded one (NOTE [Custom functions] in hooks.py);
+            gives a biased gradient from a rounded one (NOTE [Custom functions] in origins.py);
             ``True`` saves its memory where every such backward reads its saves linearly.
 
     Example::

@@ -12,10 +12,10 @@ from typing import Any, Callable, TypeVar
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from . import compiled
 from .adapt import Adapter, rank_zeros
+from .backwards import BackwardsSeen
 from .compiled_sites import CompiledSite
 from .config import GactConfig, get_config
 from .errors import ClosureError, GactWarning, HookStateError
@@ -39,9 +39,10 @@ _INSTALLED: weakref.WeakSet[Controller] = weakref.WeakSet()
 # step (gradient accumulation) are accounted together; ``stats()`` and ``report()`` describe the
 # last completed step. Boundaries come from one of three sources:
 # - ``iterate(closure)`` ends the step it runs. If the open step already ran a backward (NOTE
-#   [Backwards seen]; the original GACT's loop: the user's own forward, backward and
-#   ``optimizer.step()``, then ``iterate(backprop)``), the closure is not run again: ``iterate``
-#   only ends the step, running the closure for probes when an adaptation is due.
+#   [Backwards seen] in backwards.py; the original GACT's loop: the user's own forward,
+#   backward and ``optimizer.step()``, then ``iterate(backprop)``), the closure is not run
+#   again: ``iterate`` only ends the step, running the closure for probes when an adaptation
+#   is due.
 # - ``step()``, called by a plain loop after ``optimizer.step()``, like an LR scheduler. A
 #   ``step()`` right after ``iterate()`` with nothing saved in between is ignored (with a warning):
 #   it would count one batch as two steps.
@@ -52,41 +53,6 @@ _INSTALLED: weakref.WeakSet[Controller] = weakref.WeakSet()
 # within ``adapt_budget`` of the training time). That needs a closure to run probes, so only
 # ``iterate`` adapts; a plain loop at an adaptive level keeps the level's default width and is
 # warned once.
-
-
-# NOTE [Backwards seen]
-# ``iterate`` must know whether the open step already ran its backward (the original GACT loop
-# runs forward, backward and ``optimizer.step()`` itself, then ``iterate(backprop)``), and a
-# closure must be checked to run one. GACT's own unpack hooks tell, but a compiled graph whose
-# saves GACT keeps all (level L0, or each below ``min_numel``) runs no GACT code at all: on such
-# a model ``iterate`` ran ``backprop`` again, and the gradients it added to those of the step
-# (transformers' ``training_step`` zeroes none) doubled the next ``optimizer.step()``'s. So while
-# installed, every parameter that requires grad counts the gradients accumulated into it (a
-# post-accumulate-grad hook, one Python call per parameter and backward); a framework that
-# zeroes the gradients before ``iterate`` (the Trainer's ``on_step_end``) leaves the count. A
-# closure that sets ``p.grad`` itself (``torch.autograd.grad``) shows in the gradients written
-# since the step began (weak references, ``_grads_written``), and so do parameters that came to
-# require grad after ``install_hook()`` (no hook; their gradients' versions too). A counted
-# parameter's version is not read: gradient clipping and ``GradScaler.unscale_`` rescale
-# gradients in place between a step's backward and ``optimizer.step()``, after ``iterate`` ended
-# the step, and read as a backward of the next step they made ``iterate`` skip every closure.
-# Nor do unpacks of saves made outside the model count (``SaveHooks.unpacked_inside``): another
-# model's backward between steps (a GAN's discriminator) unpacks those.
-def _count_accumulations(model: nn.Module, counter: list[int]) -> list[RemovableHandle]:
-    """Hooks that add 1 to ``counter[0]`` whenever a gradient accumulates into a parameter of
-    ``model`` that requires grad (NOTE above)."""
-
-    def count(param: torch.Tensor) -> None:
-        counter[0] += 1
-
-    return [
-        p.register_post_accumulate_grad_hook(count) for p in model.parameters() if p.requires_grad
-    ]
-
-
-def _counted(param: torch.Tensor) -> bool:
-    """Whether ``param`` has an accumulation-counting hook (NOTE [Backwards seen])."""
-    return bool(getattr(param, "_post_accumulate_grad_hooks", None))
 
 
 def _top_saved_tensors_hooks() -> tuple[Callable, Callable] | None:
@@ -174,13 +140,7 @@ class Controller:
         self._last_boundary = "none"
         self._unpacked_at_forward = 0
         self._recorded_at_forward = 0
-        self._unpacked_at_boundary = 0
-        # gradients accumulated into the model's parameters while installed (NOTE [Backwards
-        # seen]): a list, so that the hooks counting them hold no reference to the controller
-        self._accumulated = [0]
-        self._accumulated_at_boundary = 0
-        self._accumulation_hooks: list[RemovableHandle] = []
-        self._grads_at_boundary = self._grad_marks()
+        self.backwards = BackwardsSeen(model, self.hooks)  # NOTE [Backwards seen] in backwards.py
         self._step_started = time.perf_counter()
         self._warned: set[str] = set()
 
@@ -256,7 +216,7 @@ class Controller:
         context.__enter__()
         compiled.CompileSettings.enter()
         self._context = context
-        self._accumulation_hooks = _count_accumulations(self.model, self._accumulated)
+        self.backwards.attach()
         self._thread = threading.get_ident()
         self._ever_installed = True
         installed_hooks().append(self.hooks)
@@ -286,9 +246,7 @@ class Controller:
         installed_hooks().remove(self.hooks)
         _INSTALLED.discard(self)
         self.tracker.detach()
-        for handle in self._accumulation_hooks:
-            handle.remove()
-        self._accumulation_hooks = []
+        self.backwards.detach()
         self.hooks.compile_clock.stop()
         if self.hooks.meter is not None:  # measuring is global: other models would publish
             self.hooks.meter.stop()
@@ -451,12 +409,9 @@ class Controller:
         self._explicit_steps = True
         self._iterated = True
         # a compiled graph that keeps all its saves runs no GACT hook: its backward shows in the
-        # gradients it accumulated (NOTE [Backwards seen])
-        ran_backward = (
-            (self.ledger.current and self.hooks.unpacked_inside > self._unpacked_at_boundary)
-            or self._accumulated[0] > self._accumulated_at_boundary
-            or self._grads_written(self._grads_at_boundary)
-        )
+        # gradients it accumulated (NOTE [Backwards seen] in backwards.py)
+        backwards = self.backwards
+        ran_backward = backwards.ran_since(backwards.boundary, unpacks=bool(self.ledger.current))
         result = None
         if not ran_backward:
             try:
@@ -502,45 +457,18 @@ class Controller:
         )  # fmt: skip
 
     def run_closure(self, closure: Callable[[], T]) -> T:
-        """Run ``closure`` and check that it ran a backward pass (NOTE [Backwards seen])."""
+        """Run ``closure`` and check that it ran a backward pass (NOTE [Backwards seen] in
+        backwards.py)."""
         if not callable(closure):
             raise TypeError(f"closure must be callable, got {type(closure).__name__}")
-        before, accumulated, grads = (
-            self.hooks.unpacked_inside,
-            self._accumulated[0],
-            self._grad_marks(),
-        )
+        before = self.backwards.mark()
         result = closure()
-        if (
-            self.hooks.unpacked_inside == before
-            and self._accumulated[0] == accumulated
-            and not self._grads_written(grads)
-        ):
+        if not self.backwards.ran_since(before):
             raise ClosureError(
                 "the closure did not run a backward pass: it must compute the loss and call "
                 "loss.backward() (after optimizer.zero_grad())"
             )
         return result
-
-    def _grad_marks(self) -> list[tuple[weakref.ref | None, int | None]]:
-        """Which gradient each parameter holds, and its version (``_grads_written``). Weak
-        references: a strong one would keep the last step's gradients alive through a
-        ``zero_grad()``, one more copy of every gradient at the step's peak."""
-        return [
-            (None, None)
-            if p.grad is None
-            else (weakref.ref(p.grad), None if _counted(p) else p.grad._version)
-            for p in self.model.parameters()
-        ]
-
-    def _grads_written(self, marks: list[tuple[weakref.ref | None, int | None]]) -> bool:
-        """Whether a parameter's gradient was written since ``marks`` were taken: set anew, or
-        changed in place where no hook counts its accumulations (NOTE [Backwards seen])."""
-        return any(
-            p.grad is not None
-            and (ref is None or ref() is not p.grad or (v is not None and p.grad._version != v))
-            for p, (ref, v) in zip(self.model.parameters(), marks)
-        )
 
     def step(self) -> None:
         """End the current step (see NOTE [Steps]); call it after ``optimizer.step()``.
@@ -604,9 +532,7 @@ class Controller:
         self.ledger.close()
         self.plan.step += 1
         self._last_boundary = boundary
-        self._unpacked_at_boundary = self.hooks.unpacked_inside
-        self._accumulated_at_boundary = self._accumulated[0]
-        self._grads_at_boundary = self._grad_marks()
+        self.backwards.boundary = self.backwards.mark()
         if self.hooks.swapper is not None:
             self.hooks.swapper.new_step()
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import os
-import sys
 import threading
 import warnings
 from collections.abc import Callable
@@ -16,8 +14,7 @@ import gact_kernels
 import torch
 from torch import nn
 
-from . import compiled, decisions, norm_rules
-from .attention import RecomputedAttention
+from . import compiled, decisions, norm_rules, origins
 from .compiled_sites import CompiledSite, kept_sites
 from .decision_spec import DecisionSpec
 from .errors import GactWarning
@@ -43,71 +40,7 @@ from .swap import Swapper
 if TYPE_CHECKING:
     from .measured import SensitivityMeter
 
-__all__ = ["CHECKPOINT", "COMPRESSED_FUNCTIONS", "FUNCTION", "SaveHooks", "installed_hooks"]
-
-# NOTE [Checkpointed regions]
-# Non-reentrant ``torch.utils.checkpoint`` is itself a pair of saved-tensor hooks: inside a
-# region its hooks are the innermost, so GACT never sees what the region saves, neither in the
-# forward nor when the backward recomputes it (those tensors are held exact, and only while the
-# region's backward runs). What the checkpoint keeps, the region's inputs, it saves through the
-# hooks outside the region: GACT's. Compressing them would make the recomputation run on the
-# dequantized input, and the region's gradient that of a perturbed input: the exact-decision
-# guarantee (NOTE [Exact decisions] in decisions.py) is lost, because the recomputed ReLUs
-# decide on the rounded values. On three checkpointed Linear-ReLU-Linear blocks at 4 bits the
-# mean gradient over 200 seeds was 26% off the fp32 one (GACT without checkpointing: within
-# noise), and the inputs are a small part of the peak (BENCHMARKS.md, "GACT against
-# checkpointing"). So they are kept as they are unless ``compress_checkpoint_inputs`` is set.
-# (Reentrant checkpointing recomputes through the hooks of the thread: GACT compresses those
-# recomputed saves, which live only while the region's backward runs.)
-# They are recognised by the Python code that made the save: a function of torch's
-# checkpoint.py (the non-reentrant ``save_inputs``; the reentrant ``checkpoint``, through
-# ``Function.apply``, whose ``CheckpointFunction`` saves them with ``save_for_backward``).
-_CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
-_FUNCTION_FILE = os.path.join("torch", "autograd", "function.py")
-
-# NOTE [Custom functions]
-# A ``torch.autograd.Function``'s backward is Python code GACT cannot read: ``DecisionMode``
-# sees the ops of its forward, which run without autograd and save nothing, but not what the
-# backward does with ``ctx.save_for_backward``'s tensors. One that decides on a save (a
-# hand-written ReLU's ``g * (x > 0)``, a fused activation's) decided on the rounded values,
-# and its gradient was biased: a custom ReLU's first-layer weight gradient 24% of its norm off
-# at 4 bits, however many seeds were averaged (``torch.relu``'s, whose rule GACT knows: within
-# noise). So what a custom Function saves is kept as it is, unless
-# ``compress_custom_functions``; it is recognised, like a reentrant checkpoint's save, by
-# ``Function.apply`` being the Python frame that packs it. GACT's own Function
-# (``RecomputedAttention``, built to be compressed) is compressed as usual, and so are the
-# library Functions in ``COMPRESSED_FUNCTIONS``, whose backwards read their saves linearly or
-# through a smooth function (as GACT's rules find for the built-in ops): BLOOM's GELU, whose
-# input is the largest save of its MLP. Matched by module and qualified name, so that the
-# library need not be installed.
-CHECKPOINT, FUNCTION = "checkpoint", "function"  # who made a save (``_made_by``)
-COMPRESSED_FUNCTIONS: frozenset[tuple[str, str]] = frozenset(
-    {("transformers.models.bloom.modeling_bloom", "GeLUFunction")}
-)
-
-
-def _made_by() -> str | None:
-    """Who made the save being packed: ``CHECKPOINT`` (torch's checkpoint.py, directly or
-    through ``Function.apply``: NOTE [Checkpointed regions]), ``FUNCTION`` (another
-    ``torch.autograd.Function`` than GACT's own: NOTE [Custom functions]), else ``None``."""
-    try:
-        frame = sys._getframe(2)  # _made_by <- pack <- the code that saved
-    except ValueError:  # no Python code made it (a save on a thread of PyTorch's own)
-        return None
-    code = frame.f_code
-    if code.co_name == "apply" and code.co_filename.endswith(_FUNCTION_FILE):
-        caller = frame.f_back
-        if caller is not None and caller.f_code.co_filename.endswith(_CHECKPOINT_FILE):
-            return CHECKPOINT
-        cls = frame.f_locals.get("cls")
-        if cls is RecomputedAttention or (
-            (getattr(cls, "__module__", None), getattr(cls, "__qualname__", None))
-            in COMPRESSED_FUNCTIONS
-        ):
-            return None
-        return FUNCTION
-    return CHECKPOINT if code.co_filename.endswith(_CHECKPOINT_FILE) else None
-
+__all__ = ["SaveHooks", "installed_hooks"]
 
 # NOTE [Profiler ranges]
 # Under ``torch.profiler`` every eager pack and unpack runs inside a ``gact::pack`` /
@@ -180,7 +113,7 @@ class SaveHooks(Storing):
         self.boundaries = LiveStorages()  # NOTE [Boundary saves], NOTE [Aliased saves]
         self.pending: collections.deque[SavedCompressed] = collections.deque()  # NOTE below
         # unpacks of saves made in the model's forward so far: tell whether a closure ran a
-        # backward (NOTE [Backwards seen] in controller.py)
+        # backward (NOTE [Backwards seen] in backwards.py)
         self.unpacked_inside = 0
         self.probing = False  # a ProbeSession is running its probes
         self.meter: SensitivityMeter | None = None  # NOTE [Measured sensitivities]
@@ -220,10 +153,10 @@ class SaveHooks(Storing):
         context = compiled.tracing_context()
         if context is not None:  # AOTAutograd traces a compiled graph's save
             return tensor if owner is None else compiled.pack_traced(owner, tensor, context)
-        with _profiled("gact::pack"):  # a with block adds no frame: see _made_by
+        with _profiled("gact::pack"):  # a with block adds no frame: see origins.made_by
             if owner is None:
                 return self.pack_own(tensor, inside=False)
-            return owner.pack_own(tensor, inside=True, made_by=_made_by())
+            return owner.pack_own(tensor, inside=True, made_by=origins.made_by())
 
     def unpack(self, saved: Saved | object) -> torch.Tensor:
         if not isinstance(saved, Saved):  # AOTAutograd traces a compiled graph's unpack
@@ -380,7 +313,7 @@ class SaveHooks(Storing):
         """Pack a save made in this controller's model (or, ``inside=False``, outside every
         controlled model: then it is kept as it is); ``made_by``: ``CHECKPOINT`` when
         ``torch.utils.checkpoint`` keeps ``tensor`` for a region it will recompute,
-        ``FUNCTION`` when a custom ``torch.autograd.Function`` saved it (``_made_by``)."""
+        ``FUNCTION`` when a custom ``torch.autograd.Function`` saved it (``origins.made_by``)."""
         if type(tensor) not in (torch.Tensor, nn.Parameter) or tensor.is_meta:
             return SavedKept(tensor, "<unsupported>")  # tensor subclasses, meta: not ours
         if self.is_parameter(tensor):
@@ -413,8 +346,8 @@ class SaveHooks(Storing):
         if hit is None and inside:  # outside, saves are kept (NOTE [What autograd holds])
             hit = self._view_of_live_save(tensor, view)
         config = self.plan.config
-        exact = (made_by == CHECKPOINT and not config.compress_checkpoint_inputs) or (
-            made_by == FUNCTION and not config.compress_custom_functions
+        exact = (made_by == origins.CHECKPOINT and not config.compress_checkpoint_inputs) or (
+            made_by == origins.FUNCTION and not config.compress_custom_functions
         )
         if inside and self.tracker.compiled():  # eager code in a compiled forward
             self.on_compiled()

@@ -116,7 +116,7 @@ def test_level_zero_is_exact_and_level_one_points_at_the_exact_gradient(
 
 
 def test_library_functions_read_by_gact_are_compressed() -> None:
-    """NOTE [Custom functions] in hooks.py: what a ``torch.autograd.Function`` saves is kept,
+    """NOTE [Custom functions] in origins.py: what a ``torch.autograd.Function`` saves is kept,
     except for the library Functions GACT has read (``COMPRESSED_FUNCTIONS``): BLOOM's GELU,
     whose input is the largest save of its MLP, is compressed as any activation (kept, BLOOM's
     L1 ratio would fall from 6.8x to 3.4x on this model)."""
