@@ -156,7 +156,14 @@ class SaveHooks(Storing):
         with _profiled("gact::pack"):  # a with block adds no frame: see origins.made_by
             if owner is None:
                 return self.pack_own(tensor, inside=False)
-            return owner.pack_own(tensor, inside=True, made_by=origins.made_by())
+            made_by = origins.made_by()
+            if not origins.recomputing_checkpoint():
+                return owner.pack_own(tensor, inside=True, made_by=made_by)
+            owner.ledger.recomputing = True  # counted apart from what the forward holds
+            try:
+                return owner.pack_own(tensor, inside=True, made_by=made_by)
+            finally:
+                owner.ledger.recomputing = False
 
     def unpack(self, saved: Saved | object) -> torch.Tensor:
         if not isinstance(saved, Saved):  # AOTAutograd traces a compiled graph's unpack

@@ -85,6 +85,9 @@ class SiteRecord:
     min_bits: int = 0
     # the width the save takes where the level affords it (NOTE [Small maps] in norm_rules.py)
     preferred_bits: int = 0
+    # saved by a reentrant checkpoint region's recomputation in the backward, held only while
+    # the region's backward runs: not what the forward holds (``recomputation_bytes``)
+    in_backward: bool = False
 
 
 @dataclass
@@ -96,6 +99,8 @@ class Ledger:
     deduplicated: int = 0
     last_deduplicated: int = 0
     recorded: int = 0  # saves recorded since the ledger was made (never reset)
+    # the saves recorded now are a reentrant checkpoint's recomputation (``SaveHooks.pack``)
+    recomputing: bool = False
 
     def record(
         self,
@@ -126,6 +131,7 @@ class Ledger:
                 rec.mask_bits, rec.mask_bytes = prior.mask_bits, prior.mask_bytes
             self.current[key] = rec
         rec.shape = shape
+        rec.in_backward = self.recomputing
         rec.zero_exact = zero_exact
         rec.min_bits = min_bits
         rec.preferred_bits = preferred_bits
@@ -207,7 +213,8 @@ class Ledger:
 
     def stats(self) -> dict[str, Any]:
         records, dedup = self.view()
-        activations = [r for r in records.values() if r.kind is not Kind.PARAMETER]
+        saves = [r for r in records.values() if r.kind is not Kind.PARAMETER]
+        activations = [r for r in saves if not r.in_backward]  # what the forward holds
         original = sum(r.original_bytes for r in activations)
         stored = sum(r.stored_bytes for r in activations)
         compressed = [r for r in activations if r.kind in _COMPRESSED]
@@ -219,6 +226,7 @@ class Ledger:
             "original_bytes": original,
             "stored_bytes": stored,
             "ratio": original / stored if stored else (math.inf if original else 1.0),
+            "recomputation_bytes": sum(r.stored_bytes for r in saves if r.in_backward),
             "compressed_tensors": sum(r.count for r in compressed),
             "skipped_tensors": sum(r.count for r in activations if r.kind is Kind.KEPT),
             "outside_tensors": sum(r.count for r in activations if r.kind is Kind.OUTSIDE),

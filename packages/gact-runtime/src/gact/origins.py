@@ -6,9 +6,13 @@ from __future__ import annotations
 import os
 import sys
 
+import torch
+
 from .attention import RecomputedAttention
 
-__all__ = ["CHECKPOINT", "COMPRESSED_FUNCTIONS", "FUNCTION", "made_by"]
+__all__ = [
+    "CHECKPOINT", "COMPRESSED_FUNCTIONS", "FUNCTION", "made_by", "recomputing_checkpoint",
+]  # fmt: skip
 
 # NOTE [Checkpointed regions]
 # Non-reentrant ``torch.utils.checkpoint`` is itself a pair of saved-tensor hooks: inside a
@@ -72,3 +76,17 @@ def made_by() -> str | None:
             return None
         return FUNCTION
     return CHECKPOINT if code.co_filename.endswith(_CHECKPOINT_FILE) else None
+
+
+def recomputing_checkpoint() -> bool:
+    """Whether a backward on this thread is recomputing a reentrant checkpoint region (NOTE
+    [Checkpointed regions]): the saves it makes live only while the region's backward runs."""
+    if torch._C._current_graph_task_id() == -1:  # no backward runs on this thread
+        return False
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "backward" and code.co_filename.endswith(_CHECKPOINT_FILE):
+            return True
+        frame = frame.f_back
+    return False

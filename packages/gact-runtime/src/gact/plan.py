@@ -70,8 +70,9 @@ class BitPlan:
         # keys whose last sensitivity was measured, not probed (NOTE [Measured sensitivities])
         self.measured: set[str] = set()
         self.probe: ProbeOverride | None = None
-        # keys whose tensor fed a decision this runtime could not keep exact (see
-        # NOTE [Exact decisions]): kept at full precision from then on
+        # keys kept as they are from then on: their tensor fed a decision this runtime could
+        # not keep exact (NOTE [Exact decisions]), or is an integer tensor that packing did not
+        # shrink (NOTE [Integer saves] in storing.py)
         self.exact_keys: set[str] = set()
         # whether each key's tensor took only two values when first seen (NOTE [Two-valued
         # tensors] in adapt.py): 1 bit stores such tensors exactly

@@ -19,9 +19,22 @@ from .plan import BitPlan
 from .recomputed import ActivationCall
 from .saved import Saved, SavedCompressed, SavedDecisions, SavedKept
 
-__all__ = ["FEATURE_GROUP_BITS", "PARAMETERS_KEY", "Storing", "feature_dim"]
+__all__ = ["FEATURE_GROUP_BITS", "INTEGER_GAIN", "PARAMETERS_KEY", "Storing", "feature_dim"]
 
 PARAMETERS_KEY = "<parameters>"  # ledger key of every parameter/buffer save
+
+# NOTE [Integer saves]
+# Integer saves (indices, token ids, an LSTM's workspace) are packed losslessly in the bits
+# each group's range needs (``gact_kernels.pack_ints``). Values that span their dtype's range
+# gain nothing: an LSTM's uint8 workspace on the CPU (16 MB a layer, the model's largest saves,
+# partly uninitialised memory) packed to 0.36-1.035x its bytes, differently from run to run,
+# and the copy its unpack restores beside the packed one took the step's peak to 1.06-1.34x
+# fp32's (1.11x where the packing had shrunk it to 0.36x: the backward's peak is that
+# unpack). So a key whose packing does not shrink its bytes ``INTEGER_GAIN`` times is kept as
+# it is from its next save on (``BitPlan.exact_keys``): the first save is packed (lossless
+# either way), the later ones cost nothing to pack and hold what fp32 holds. Indices and token
+# ids, whose ranges are small, pack 8x or more.
+INTEGER_GAIN = 4
 
 
 class Storing:
@@ -128,11 +141,11 @@ class Storing:
             tensor = compact
         if tensor.numel() < cfg.min_numel and not self.plan.probes(key):
             return Kind.KEPT
+        if key in self.plan.exact_keys:
+            return Kind.KEPT
         if tensor.dtype is torch.bool or tensor.dtype in gact_kernels.INT_DTYPES:
             return None  # packed losslessly
         if tensor.dtype not in gact_kernels.FLOAT_DTYPES or self.plan.bits_for(key) is None:
-            return Kind.KEPT
-        if key in self.plan.exact_keys:
             return Kind.KEPT
         if spec is not None and (
             spec.keeps(tensor) or not decisions.representable(spec, tensor.dtype)
@@ -172,6 +185,8 @@ class Storing:
         elif tensor.dtype in gact_kernels.INT_DTYPES:
             payload = gact_kernels.pack_ints(data, group_size=group_size)
             kind, bits = Kind.PACKED, None
+            if payload.nbytes * INTEGER_GAIN > data.nbytes:  # NOTE [Integer saves]
+                self.plan.exact_keys.add(key)
         else:
             bits = self.plan.bits_for(key)
             assert bits is not None
