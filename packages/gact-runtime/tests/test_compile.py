@@ -1353,3 +1353,40 @@ def test_a_closure_that_writes_gradients_itself_passes_the_closure_check() -> No
         with Controller(run, GactConfig.from_level("L0")) as controller:
             controller.iterate(closure)
     assert controller.stats()["step"] == 1
+
+
+class _Tokens(nn.Module):
+    """Token embeddings, a LayerNorm, causal self-attention (its weights are T x T: a size
+    that appears twice in a saved tensor's shape) and a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.norm, self.out = nn.Embedding(50, 64), nn.LayerNorm(64), nn.Linear(64, 64)
+        self.qkv = nn.Linear(64, 192)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.emb(ids))
+        q, k, v = self.qkv(h).chunk(3, -1)
+        return self.out(h + F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_a_compiled_model_trains_on_sequences_of_changing_length(dynamic: bool | None) -> None:
+    """A second sequence length recompiles with symbolic sizes: a saved view whose shape holds
+    a size computed in the graph (``view(x, [mul_16, 64])``) was moved above that size's node
+    when its pack was placed (NOTE [Compiled saves]), and the compilation failed ("Argument
+    'mul_16' of Node 'view' was used before it has been defined"); with ``dynamic=True`` at
+    the first step. And a save of shape (B, T, T) returned the symbolic T twice from its
+    traced pack, which AOTAutograd renamed once and lost the second time ("Argument
+    '_safe_softmax_hook_4' of Node 'output' was used before it has been defined"). Now every
+    length trains, as without GACT, and compresses."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Tokens()
+    run = torch.compile(model, backend="aot_eager", dynamic=dynamic)
+    with Controller(run, GactConfig.from_level("L1", min_numel=0)) as controller:
+        for length in (8, 32, 16):
+            run(torch.randint(0, 50, (4, length))).square().mean().backward()
+            controller.step()
+            assert controller.stats()["compressed_tensors"] > 0
+    torch._dynamo.reset()

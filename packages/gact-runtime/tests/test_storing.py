@@ -79,7 +79,7 @@ def test_an_integer_save_that_packing_does_not_shrink_is_kept(spread: int) -> No
     """NOTE [Integer saves] in storing.py: an integer save whose values span their dtype's range
     (an LSTM's uint8 workspace on the CPU, 16 MB a layer) packed to 1.035x its bytes, and its
     restored copy beside the packed one in the backward took the step's peak to 1.06-1.34x
-    fp32's. A key whose packing does not shrink its bytes 4 times (``INTEGER_GAIN``) is kept
+    fp32's. A key whose packing does not shrink its bytes 3 times (``INTEGER_GAIN``) is kept
     as it is from its next save on; one of a small range stays packed. (The test's failure
     before: the second step's random 64-bit values packed again, at 1.03x their bytes.)"""
     from gact import Controller

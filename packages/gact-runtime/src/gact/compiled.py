@@ -182,7 +182,7 @@ def tracing_context() -> dict[str, Any] | None:
 
 def pack_traced(hooks: SaveHooks, tensor: torch.Tensor, context: dict[str, Any]) -> Any:
     """The traced pack of a compiled graph's save: the tensor itself if it is kept, else
-    ``(handle, site, shape, stride)``."""
+    ``(handle, site, sizes, (shape, stride))`` (``_symbolic_layout``)."""
     node: torch.fx.Node = context["_node"]
     site = node.meta.get("gact_site")
     if site is None:  # the first of AOTAutograd's two calls for this node
@@ -201,7 +201,38 @@ def pack_traced(hooks: SaveHooks, tensor: torch.Tensor, context: dict[str, Any])
     if _SITES[site].keep is not None:
         return tensor
     handle = torch.ops.gact.pack_saved(tensor, site)
-    return handle, site, tuple(tensor.shape), tuple(tensor.stride())
+    sizes, layout = _symbolic_layout(tensor)
+    return handle, site, sizes, layout
+
+
+# A pack returns each symbolic size of its tensor's shape and strides once: AOTAutograd renames
+# every symbolic value a pack returns (``<node>_hook_<i>``), and one returned twice (the ``T``
+# of a (B, T, T) attention weight) it renamed the first time and lost the second, so the
+# forward graph failed to compile ("'_safe_softmax_hook_4' ... used before it has been
+# defined") as soon as dynamo made the sequence length dynamic.
+def _symbolic_layout(
+    tensor: torch.Tensor,
+) -> tuple[tuple[Any, ...], tuple[tuple[int | str, ...], tuple[int | str, ...]]]:
+    """The distinct symbolic sizes of ``tensor``'s shape and strides, and both as templates:
+    an int stays, a symbolic size is ``"s<k>"`` (``k``: its place among the distinct ones)."""
+    sizes: list[Any] = []
+    places: dict[Any, str] = {}
+
+    def template(values: tuple[Any, ...]) -> tuple[int | str, ...]:
+        out: list[int | str] = []
+        for value in values:
+            if isinstance(value, int):
+                out.append(value)
+                continue
+            key = value.node.expr
+            if key not in places:
+                places[key] = f"s{len(sizes)}"
+                sizes.append(value)
+            out.append(places[key])
+        return tuple(out)
+
+    layout = (template(tuple(tensor.shape)), template(tuple(tensor.stride())))
+    return tuple(sizes), layout
 
 
 def unpack_traced(packed: Any, context: dict[str, Any] | None) -> torch.Tensor:
@@ -212,8 +243,12 @@ def unpack_traced(packed: Any, context: dict[str, Any] | None) -> torch.Tensor:
         _place_unpacks(context["_bw_graph"])
     if isinstance(packed, torch.Tensor):
         return packed
-    handle, site, shape, stride = packed
-    return torch.ops.gact.unpack_saved(handle, site, list(shape), list(stride))
+    handle, site, sizes, (shape, stride) = packed
+
+    def filled(template: tuple[int | str, ...]) -> list[Any]:
+        return [sizes[int(v[1:])] if isinstance(v, str) else v for v in template]
+
+    return torch.ops.gact.unpack_saved(handle, site, filled(shape), filled(stride))
 
 
 # ----------------------------------------------------------------- placement
@@ -226,9 +261,9 @@ def _place_packs(graph: torch.fx.Graph) -> None:
     is freed once all its views are packed."""
     for node in [n for n in graph.nodes if n.target is _PACK]:
         chain, source = [], node.args[0]
-        while op_name(source) in VIEWS and not any(
-            isinstance(a, torch.fx.Node) for a in (*source.args[1:], *source.kwargs.values())
-        ):
+        # a view that reads no other node (its shape may hold symbolic sizes computed in the
+        # graph, ``view(x, [mul_16, 64])``: it stays after them)
+        while op_name(source) in VIEWS and source.all_input_nodes == [source.args[0]]:
             chain.append(source)
             source = source.args[0]
         if source.op == "placeholder":  # a view of an input: packed where it is made
