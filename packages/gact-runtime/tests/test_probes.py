@@ -75,3 +75,38 @@ def test_probe_guard_sets_gradients_aside_without_copies() -> None:
     assert all(p.grad is g for p, g in zip(model.parameters(), grads))
     assert all(torch.equal(g, v) for g, v in zip(grads, values))
     assert torch.equal(model[1].running_mean, running) and not model.training
+
+
+@pytest.mark.parametrize("zero", ["optimizer", "backbone"])
+def test_probes_leave_no_trace_in_what_the_closure_trains_outside_the_model(zero: str) -> None:
+    """NOTE [Probes leave no trace]: a closure may train tensors outside the controlled model
+    (a head, a learnable loss). Probes set aside and restored only the model's gradients: after
+    an adapting ``iterate``, the head's gradient was the last probe's (another dropout mask:
+    1.05 off the real step's, relative norm) or, where the closure zeroes only the model's,
+    the sum over every run (3.6x its norm). Now the leaves the returned loss was computed from
+    are restored too, and the real step's gradient is the one the optimizer sees."""
+    from gact import Controller, GactConfig, GactWarning
+
+    torch.manual_seed(0)
+    backbone = nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.Tanh(), nn.Linear(64, 64))
+    head = nn.Sequential(nn.Dropout(0.5), nn.Linear(64, 10))  # outside the controlled model
+    params = [*backbone.parameters(), *head.parameters()]
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    config = GactConfig.from_level(
+        "L2", adapt_first_gap=0, adapt_interval=2, adapt_budget=None, min_numel=0
+    )
+    x, y = torch.randn(64, 32), torch.randint(0, 10, (64,))
+    real: list[torch.Tensor] = []
+
+    def closure() -> torch.Tensor:
+        (optimizer if zero == "optimizer" else backbone).zero_grad()
+        loss = torch.nn.functional.cross_entropy(head(backbone(x)), y)
+        loss.backward()
+        real.append(head[1].weight.grad.clone())
+        return loss
+
+    controller = Controller(backbone, config)
+    with controller, pytest.warns(GactWarning, match="outside the controlled model"):
+        controller.iterate(closure)
+    assert controller.stats()["adaptations"] == 1 and len(real) > 1  # probes ran
+    assert torch.equal(head[1].weight.grad, real[0])

@@ -26,6 +26,7 @@ from .measured_compiled import measure_eagerly
 from .pacing import Pacing
 from .params import ParameterFilter
 from .plan import BitPlan, mix_seed
+from .probes import trained_leaves
 from .scope import ScopeTracker
 from .swap import Swapper
 
@@ -420,6 +421,8 @@ class Controller:
                 self.ledger.discard()
                 raise
         try:
+            if self.pacing.scheduled():  # closures may run again: what else they train
+                self._closure_leaves(result)
             self._measure_compiled(closure)
             adapting = self.pacing.adapting()
             if adapting is not None:
@@ -427,8 +430,24 @@ class Controller:
                 probes = probe_closure or closure if adapting == "probes" else None
                 self.adapter.adapt(probes, self.ledger.current, self.run_closure, meter)
         finally:  # a failed adaptation still ends the step the real closure completed
+            self.hooks.closure_leaves = []
             self._end_step("iterate")
         return result
+
+    def _closure_leaves(self, result: object) -> None:
+        """Tell the probes what the closure trained outside the model (NOTE [Probes leave no
+        trace] in probes.py)."""
+        own = {id(p) for p in self.model.parameters()}
+        outside = [t for t in trained_leaves(result) if id(t) not in own]
+        self.hooks.closure_leaves = outside
+        if outside:
+            self._warn_once(
+                "outside leaves",
+                f"the closure trains {len(outside)} tensors outside the controlled model; "
+                "probes restore their gradients, but buffers of modules outside the model "
+                "(BatchNorm running statistics) are updated by every probe: give the "
+                "Controller the module that holds everything the closure runs",
+            )
 
     @property
     def adaptation_due(self) -> bool:

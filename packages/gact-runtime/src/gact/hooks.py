@@ -116,6 +116,9 @@ class SaveHooks(Storing):
         # backward (NOTE [Backwards seen] in backwards.py)
         self.unpacked_inside = 0
         self.probing = False  # a ProbeSession is running its probes
+        # tensors outside the model the open step's closure trained, whose gradients probes
+        # restore too (NOTE [Probes leave no trace] in probes.py; set by ``iterate``)
+        self.closure_leaves: list[torch.Tensor] = []
         self.meter: SensitivityMeter | None = None  # NOTE [Measured sensitivities]
         self.on_compiled: Callable[[], None] = lambda: None  # set by the Controller
         self.on_unknown_use: Callable[[CompiledSite], None] = lambda site: None

@@ -4,11 +4,13 @@ return (a fixed-size sketch of the gradient)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.utils._pytree
 from torch import nn
 
 from .ledger import Ledger
@@ -18,7 +20,7 @@ if TYPE_CHECKING:
     from .hooks import SaveHooks
     from .measured import SensitivityMeter
 
-__all__ = ["GradientSketch", "ProbeGuard", "ProbeSession"]
+__all__ = ["GradientSketch", "ProbeGuard", "ProbeSession", "trained_leaves"]
 
 # NOTE [Probes leave no trace]
 # A probe is one extra run of the user's closure with chosen bits and seeds. Around all probes
@@ -31,7 +33,33 @@ __all__ = ["GradientSketch", "ProbeGuard", "ProbeSession"]
 # also copied and refilled in place; any other gradient tensor is set aside as it is, without a
 # copy. No optimizer is involved. Under torch.distributed, rank 0's list of items is used by every
 # rank, so all ranks run the same number of probes (their all-reduces match) and allocate the
-# same bits.
+# same bits. A closure may also train tensors outside the model (a head, a learnable loss):
+# ``iterate`` finds them as the leaves of the autograd graph of what the closure returned (its
+# structure outlives the backward), and their gradients are set aside and restored as the
+# model's; before, the last probe's gradient (another dropout mask: 1.05 off, relative norm)
+# or the sum over every run replaced the real step's. Buffers of modules outside the model
+# cannot be found so: ``iterate`` warns that probes update them.
+
+
+def trained_leaves(result: Any) -> list[torch.Tensor]:
+    """The leaf tensors the tensors in ``result`` were computed from that require grad (the
+    ``AccumulateGrad`` nodes of their autograd graphs)."""
+    stack = [
+        t.grad_fn
+        for t in torch.utils._pytree.tree_leaves(result)
+        if isinstance(t, torch.Tensor) and t.grad_fn is not None
+    ]
+    seen, leaves = set(), []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):
+            leaves.append(variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return leaves
 
 
 def _copy_if_shared(grad: torch.Tensor | None) -> torch.Tensor | None:
@@ -48,16 +76,19 @@ class ProbeGuard:
 
     Args:
         model: the model being probed.
+        leaves: tensors outside the model whose gradients the probes' closure writes too.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, leaves: Sequence[torch.Tensor] = ()) -> None:
         self._model = model
+        self._leaves = leaves
 
     def __enter__(self) -> ProbeGuard:
         model = self._model
         self._cpu_rng = torch.get_rng_state()
         self._cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        self._grads = [(p, p.grad, _copy_if_shared(p.grad)) for p in model.parameters()]
+        trained = {id(p): p for p in (*model.parameters(), *self._leaves)}.values()
+        self._grads = [(p, p.grad, _copy_if_shared(p.grad)) for p in trained]
         self._buffers = [(b, b.detach().clone()) for b in model.buffers()]
         self._modes = [(m, m.training) for m in model.modules()]
         return self
@@ -210,7 +241,7 @@ class ProbeSession:
         self.runs = 0
 
     def __enter__(self) -> ProbeSession:
-        self._guard = ProbeGuard(self._model).__enter__()
+        self._guard = ProbeGuard(self._model, self._hooks.closure_leaves).__enter__()
         self._ledger = self._hooks.ledger
         self._hooks.probing = True
         return self
