@@ -534,3 +534,33 @@ def test_the_first_step_stores_at_the_average_rounded_up(level: str, bits: int) 
         make_closure(model, x, y)()
         widths = {r.bits for r in controller.ledger.current.values() if r.kind is Kind.QUANTIZED}
     assert widths == {bits}
+
+
+def test_a_new_budget_is_allocated_at_the_next_step_boundary() -> None:
+    """``configure`` with another adaptive budget (a ``memory_budget``, or L2 -> L2.2) cleared
+    the widths, and no allocation followed until the next scheduled adaptation: every save
+    took the level's default width, 2.4x the new budget's bytes for 18 steps. Now the step
+    after the change is allocated at its end, as a run's first step is (NOTE [Prior
+    allocation]), from the sensitivities already known."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(32, 256), nn.LayerNorm(256), nn.GELU(), nn.Linear(256, 256), nn.LayerNorm(256),
+        nn.Tanh(), nn.Linear(256, 10),
+    )  # fmt: skip
+    x, y = torch.randn(128, 32), torch.randint(0, 10, (128,))
+    controller = Controller(model, GactConfig.from_level("L2", adapt_budget=None))
+
+    def closure() -> torch.Tensor:
+        loss = F.cross_entropy(model(x), y)
+        model.zero_grad()
+        loss.backward()
+        return loss
+
+    budget = 40_000
+    with controller:
+        for step in range(14):  # adaptations at steps 0 (prior) and 10 (default schedule)
+            if step == 11:
+                controller.configure(controller.config.replace(memory_budget=budget))
+            controller.iterate(closure)
+    assert controller.stats()["adaptations"] == 1  # none scheduled after the change
+    assert controller.stats()["stored_bytes"] <= budget

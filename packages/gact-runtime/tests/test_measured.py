@@ -654,3 +654,48 @@ def test_batchnorm_inputs_are_measured_under_autocast() -> None:
     assert not meter.probed, meter.probed
     (key,) = [k for k in measured if k.startswith("norm#0")]
     assert math.isfinite(measured[key]) and measured[key] > 0
+
+
+def test_a_closure_that_fails_on_a_measuring_step_leaves_no_measurement_behind() -> None:
+    """A closure that raises after its forward (a loss check) on a measuring step, retried on
+    the same batch with the buffers and RNG restored, is the same step: the adaptation must
+    find the same sensitivities and bits as a run without the failure. The failed forward's
+    meter stayed attached, its measurements unfinished: the retry's adaptation measured
+    nothing (every item probed; a BatchNorm input's sensitivity 0.08 became 596)."""
+
+    def run(fail: bool) -> tuple[dict[str, float], dict[str, int]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 64),
+            nn.LayerNorm(64), nn.Tanh(), nn.Linear(64, 10),
+        )  # fmt: skip
+        config = GactConfig.from_level(
+            "L2", adapt_first_gap=0, adapt_interval=2, adapt_budget=None, min_numel=0
+        )
+        controller = Controller(model, config)
+        x, y = torch.randn(64, 32), torch.randint(0, 10, (64,))
+        failed = [not fail]
+
+        def closure() -> torch.Tensor:
+            loss = F.cross_entropy(model(x), y)
+            if not failed[0]:
+                failed[0] = True
+                raise FloatingPointError("loss check")
+            model.zero_grad()
+            loss.backward()
+            return loss
+
+        with controller:
+            buffers, rng = [b.clone() for b in model.buffers()], torch.get_rng_state()
+            try:
+                controller.iterate(closure)
+            except FloatingPointError:
+                with torch.no_grad():
+                    for b, v in zip(model.buffers(), buffers):
+                        b.copy_(v)
+                torch.set_rng_state(rng)
+                controller.iterate(closure)
+        assert controller.stats()["adaptations"] == 1
+        return dict(controller.plan.sensitivity), dict(controller.plan.bits)
+
+    assert run(fail=True) == run(fail=False)

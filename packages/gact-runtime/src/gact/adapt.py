@@ -273,11 +273,18 @@ class Adapter:
         return True
 
     def allocate_prior(self, sites: dict[str, SiteRecord]) -> None:
-        """The allocation made before any probe (see NOTE [Prior allocation])."""
+        """The allocation made before any probe (see NOTE [Prior allocation]), or after a new
+        budget (``Controller.configure``): from the sensitivities known if every item has one,
+        else as if all were equal."""
         items = Items.of(sites, self._plan.config.overhead_bits, self._plan.two_valued)
         if not items.keys:
             return
-        bits = self._allocate(items, np.ones(len(items.keys)))
+        known = self._plan.sensitivity
+        if all(k in known for k in items.keys):
+            sensitivity = np.array([known[k] for k in items.keys])
+        else:
+            sensitivity = np.ones(len(items.keys))
+        bits = self._allocate(items, sensitivity)
         self._plan.bits = {k: int(b) for k, b in zip(items.keys, bits)}
         self._items = len(items.keys)
         self.has_prior = True

@@ -167,6 +167,7 @@ class Controller:
             )
         self.plan.config = config
         self.plan.bits.clear()
+        self.adapter.has_prior = False  # the next step's end allocates the new budget
         self.hooks.swapper = self._make_swapper()
 
     def _make_swapper(self) -> Swapper | None:
@@ -419,6 +420,7 @@ class Controller:
                 result = self.run_closure(closure)
             except BaseException:
                 self.ledger.discard()
+                self.pacing.discard()
                 raise
         try:
             if self.pacing.scheduled():  # closures may run again: what else they train

@@ -137,6 +137,15 @@ class Pacing:
             cost_seconds=adapter.last_held_seconds,
         )
 
+    def discard(self) -> None:
+        """Drop the open step's meter unread: the step's closure failed, and a retry's forward
+        arms a fresh one (the failed forward's measurements, unfinished, made the retry's
+        adaptation measure nothing)."""
+        meter, self.hooks.meter = self.hooks.meter, None
+        if meter is not None:
+            meter.stop()
+            self.adapter.seconds += meter.seconds
+
     def disarm(self) -> SensitivityMeter | None:
         """Stop the open step's meter; returns it (``None`` if none ran)."""
         meter, self.hooks.meter = self.hooks.meter, None
