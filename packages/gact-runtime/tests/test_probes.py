@@ -110,3 +110,53 @@ def test_probes_leave_no_trace_in_what_the_closure_trains_outside_the_model(zero
         controller.iterate(closure)
     assert controller.stats()["adaptations"] == 1 and len(real) > 1  # probes ran
     assert torch.equal(head[1].weight.grad, real[0])
+
+
+def test_probes_restore_numpy_and_python_random_states() -> None:
+    """NOTE [Probes leave no trace]: a forward that draws with NumPy or ``random``
+    (transformers' SpecAugment in Wav2Vec2 and HuBERT, BigBird's random attention) saw a
+    different draw in every probe of an adaptation, and the run after it drew from streams
+    the probes had advanced. Now every probe draws the same, as torch's generators make them
+    (reset before each), and the streams leave an adaptation where the real step left them."""
+    import random
+
+    from gact import Controller, GactConfig
+
+    draws: list[tuple[float, float]] = []
+
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.norm, self.b = nn.Linear(32, 64), nn.LayerNorm(64), nn.Linear(64, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            draws.append((float(np.random.rand()), random.random()))  # noqa: NPY002
+            drawn = np.random.rand(x.shape[0])  # noqa: NPY002
+            keep = torch.from_numpy(drawn > 0.3).float()[:, None]
+            return self.b(torch.tanh(self.norm(self.a(x * keep))))
+
+    torch.manual_seed(0)
+    model = Masked()
+    config = GactConfig.from_level("L2", adapt_first_gap=0, adapt_budget=None, min_numel=0)
+    controller = Controller(model, config)
+    x, y = torch.randn(64, 32), torch.randint(0, 10, (64,))
+
+    def closure() -> torch.Tensor:
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        model.zero_grad()
+        loss.backward()
+        return loss
+
+    np.random.seed(0)  # noqa: NPY002
+    random.seed(0)
+    with controller:
+        controller.iterate(closure)
+    after = (float(np.random.rand()), random.random())  # noqa: NPY002
+    np.random.seed(0)  # noqa: NPY002
+    random.seed(0)
+    np.random.rand(65)  # the real step's draws  # noqa: NPY002
+    random.random()
+    expected_after = (float(np.random.rand()), random.random())  # noqa: NPY002
+    assert controller.stats()["adaptations"] == 1 and len(draws) > 2  # probes ran
+    assert all(draw == draws[1] for draw in draws[2:])
+    assert after == expected_after

@@ -4,6 +4,7 @@ return (a fixed-size sketch of the gradient)."""
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -24,11 +25,12 @@ __all__ = ["GradientSketch", "ProbeGuard", "ProbeSession", "trained_leaves"]
 
 # NOTE [Probes leave no trace]
 # A probe is one extra run of the user's closure with chosen bits and seeds. Around all probes
-# of an adaptation, ``ProbeGuard`` keeps: the CPU and every initialised CUDA generator's state
-# (reset before every probe, so dropout draws the same masks in each, and restored after), every
-# buffer's value (BatchNorm running statistics and ``num_batches_tracked``), every module's
-# training flag, and the gradient tensors the user's closure produced (set aside, so probes
-# accumulate into fresh ``.grad`` tensors, and put back). A gradient that is a view into a larger
+# of an adaptation, ``ProbeGuard`` keeps: the CPU and every initialised CUDA generator's state,
+# NumPy's global one and Python's ``random`` (reset before every probe, so dropout and a
+# forward's own draws, as SpecAugment's in transformers, are the same in each, and restored
+# after), every buffer's value (BatchNorm running statistics and ``num_batches_tracked``),
+# every module's training flag, and the gradient tensors the user's closure produced (set
+# aside, so probes accumulate into fresh ``.grad`` tensors, and put back). A gradient that is a view into a larger
 # storage (DDP's ``gradient_as_bucket_view=True``: probes all-reduce into the same buckets) is
 # also copied and refilled in place; any other gradient tensor is set aside as it is, without a
 # copy. No optimizer is involved. Under torch.distributed, rank 0's list of items is used by every
@@ -87,6 +89,9 @@ class ProbeGuard:
         model = self._model
         self._cpu_rng = torch.get_rng_state()
         self._cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        # the global streams a forward may draw from
+        self._numpy_rng = np.random.get_state()  # noqa: NPY002
+        self._python_rng = random.getstate()
         trained = {id(p): p for p in (*model.parameters(), *self._leaves)}.values()
         self._grads = [(p, p.grad, _copy_if_shared(p.grad)) for p in trained]
         self._buffers = [(b, b.detach().clone()) for b in model.buffers()]
@@ -97,6 +102,8 @@ class ProbeGuard:
         torch.set_rng_state(self._cpu_rng)
         if self._cuda_rng is not None:
             torch.cuda.set_rng_state_all(self._cuda_rng)
+        np.random.set_state(self._numpy_rng)  # noqa: NPY002
+        random.setstate(self._python_rng)
 
     def clear_grads(self) -> None:
         for p, _, _ in self._grads:
