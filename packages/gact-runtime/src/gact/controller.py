@@ -13,7 +13,7 @@ from typing import Any, Callable, TypeVar
 import torch
 from torch import nn
 
-from . import compiled
+from . import compiled, resume
 from .adapt import Adapter, rank_zeros
 from .backwards import BackwardsSeen
 from .compiled_sites import CompiledSite
@@ -556,6 +556,42 @@ class Controller:
         self.backwards.boundary = self.backwards.mark()
         if self.hooks.swapper is not None:
             self.hooks.swapper.new_step()
+
+    # ----------------------------------------------------------------- resuming
+    def state_dict(self) -> dict[str, Any]:
+        """The run so far, for a resumed run to go on as this one would (NOTE [Resumed runs]
+        in resume.py): the step count, widths, sensitivities and what adaptations learned,
+        with the configuration, as plain Python values.
+
+        Example::
+
+            >>> import io, torch
+            >>> from gact import Controller, GactConfig
+            >>> model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh())
+            >>> controller = Controller(model, GactConfig.from_level("L2"))
+            >>> with controller:
+            ...     model(torch.randn(4, 8)).sum().backward()
+            ...     controller.step()
+            >>> buffer = io.BytesIO()
+            >>> torch.save({"gact": controller.state_dict()}, buffer)
+            >>> _ = buffer.seek(0)
+            >>> resumed = Controller(model, GactConfig.from_level("L2"))
+            >>> resumed.load_state_dict(torch.load(buffer, weights_only=True)["gact"])
+            >>> resumed.plan.step
+            1
+        """
+        return resume.run_state(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on with the run ``state_dict()`` saved, on this Controller of the same model
+        and configuration, before its first step or between steps.
+
+        Raises:
+            ValueError: ``state`` is not what ``state_dict()`` returns.
+            ConfigError: it was saved under another configuration.
+            HookStateError: the open step has saved tensors already.
+        """
+        resume.load_run_state(self, state)
 
     # ----------------------------------------------------------------- reports
     def stats(self) -> dict[str, Any]:
