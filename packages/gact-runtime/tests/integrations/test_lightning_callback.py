@@ -210,3 +210,41 @@ def test_pytorch_lightning_package() -> None:
 def test_docstring_examples() -> None:
     result = doctest.testmod(gact_lightning)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_a_run_resumed_from_a_checkpoint_goes_on_from_its_gact_state(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The callback's state is in Lightning's checkpoints (NOTE [Resumed runs] in resume.py):
+    resumed from a checkpoint after 8 steps, GACT goes on at step 8 with the widths,
+    sensitivities and schedule it had (not at step 0 with the prior: other rounding seeds,
+    the schedule anew). (Lightning's own resume is not bit-identical here, GACT or not.)"""
+
+    def fit(steps: int, ckpt: str | None = None) -> tuple[Any, Any]:
+        callback = GactCallback(
+            GactConfig.from_level("L2", adapt_interval=4, adapt_first_gap=1, adapt_budget=None)
+        )
+        trainer = pl.Trainer(
+            max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
+        )  # fmt: skip
+        trainer.fit(_classifier(pl.LightningModule), _loader(), ckpt_path=ckpt)
+        return trainer, callback
+
+    first, saved = fit(8)  # one epoch of 8 batches
+    path = str(tmp_path / "epoch.ckpt")
+    first.save_checkpoint(path)
+    state = saved.controller.state_dict()
+    restored: list[dict[str, Any]] = []
+    original = GactCallback.on_train_start
+
+    def spy(self: Any, trainer: Any, pl_module: Any) -> None:
+        original(self, trainer, pl_module)
+        restored.append(self.controller.state_dict())
+
+    monkeypatch.setattr(GactCallback, "on_train_start", spy)
+    _, resumed = fit(16, ckpt=path)
+    assert restored[0]["step"] == state["step"] == 8
+    assert restored[0]["bits"] == state["bits"] and state["adapter"]["count"] >= 2
+    assert restored[0]["sensitivity"] == state["sensitivity"]
+    assert resumed.controller.state_dict()["step"] == 16

@@ -66,6 +66,16 @@ class LightningGact(CallbackBase):
         super().__init__(config, probe_batch_size)
         self._batch: tuple[Any, int] | None = None
         self._stepped = False
+        self._restored: dict[str, Any] | None = None  # a checkpoint's run state, not loaded yet
+
+    def state_dict(self) -> dict[str, Any]:
+        """GACT's run state for Lightning's checkpoints (NOTE [Resumed runs] in resume.py)."""
+        return {} if self._session is None else {"gact": self._session.controller.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Lightning restores a checkpoint (``fit(ckpt_path=...)``): GACT's run goes on as the
+        one saved, from the controller that training starts."""
+        self._restored = state_dict.get("gact")
 
     def on_train_start(self, trainer: Any, pl_module: nn.Module) -> None:
         if not pl_module.automatic_optimization:
@@ -77,6 +87,9 @@ class LightningGact(CallbackBase):
             )
         if self._session is None or self._session.model is not pl_module:
             self._session = TrainingSession(pl_module, self.config)
+        if self._restored is not None:
+            self._session.controller.load_state_dict(self._restored)
+            self._restored = None
 
     def on_train_batch_start(
         self, trainer: Any, pl_module: nn.Module, batch: Any, batch_idx: int
