@@ -564,3 +564,46 @@ def test_a_new_budget_is_allocated_at_the_next_step_boundary() -> None:
             controller.iterate(closure)
     assert controller.stats()["adaptations"] == 1  # none scheduled after the change
     assert controller.stats()["stored_bytes"] <= budget
+
+
+class _Alternating(nn.Module):
+    """A block that runs on odd steps only (multi-task style), between two linear layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(32, 128), nn.Linear(128, 10)
+        self.extra = nn.Sequential(nn.Linear(128, 128), nn.LayerNorm(128), nn.GELU())
+
+    def forward(self, x: torch.Tensor, extra: bool) -> torch.Tensor:
+        h = torch.tanh(self.l1(x))
+        return self.l2(self.extra(h) if extra else h)
+
+
+def test_a_budget_holds_on_steps_that_run_what_the_adapting_step_did_not() -> None:
+    """An adaptation allocated the widths of its own step's tensors only: those of a module
+    that step did not run fell back to the level's default width, outside the budget (a
+    block run on odd steps, adaptations on even ones: 67,140 bytes against a memory_budget of
+    40,000 on every odd step). The tensors seen in earlier steps now take part in the
+    allocation at their widths, so every step holds the budget once each key was seen."""
+    torch.manual_seed(0)
+    model = _Alternating()
+    budget = 40_000
+    config = GactConfig.from_level(
+        "L2", adapt_first_gap=0, adapt_interval=2, adapt_budget=None, memory_budget=budget
+    )
+    controller = Controller(model, config)
+    x, y = torch.randn(128, 32), torch.randint(0, 10, (128,))
+    stored = []
+    with controller:
+        for step in range(8):
+
+            def closure(extra: bool = step % 2 == 1) -> torch.Tensor:
+                loss = F.cross_entropy(model(x, extra), y)
+                model.zero_grad()
+                loss.backward()
+                return loss
+
+            controller.iterate(closure)
+            stored.append(controller.stats()["stored_bytes"])
+    assert controller.stats()["adaptations"] == 4
+    assert max(stored[2:]) <= budget  # from the first adaptation after the block was seen

@@ -430,7 +430,10 @@ class Controller:
             if adapting is not None:
                 meter = self.pacing.disarm()
                 probes = probe_closure or closure if adapting == "probes" else None
-                self.adapter.adapt(probes, self.ledger.current, self.run_closure, meter)
+                self.adapter.adapt(
+                    probes, self.ledger.current, self.run_closure, meter,
+                    absent=self.ledger.absent(),
+                )  # fmt: skip
         finally:  # a failed adaptation still ends the step the real closure completed
             self.hooks.closure_leaves = []
             self._end_step("iterate")
@@ -520,8 +523,9 @@ class Controller:
             return
         meter = self.pacing.disarm()
         adapted = self.adapter.adapt(
-            None, self.ledger.current, self.run_closure, meter, probes_later=self._iterated
-        )
+            None, self.ledger.current, self.run_closure, meter, probes_later=self._iterated,
+            absent=self.ledger.absent(),
+        )  # fmt: skip
         if not adapted or (self.adapter.last_held and not self._iterated):
             self._warn_once(
                 "no adaptation",
