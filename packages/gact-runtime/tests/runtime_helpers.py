@@ -106,7 +106,7 @@ def keep_exact(ctl: Controller, keep: Callable[[str], bool] = lambda key: True) 
     """White box: the keys of the last completed step's quantized saves for which ``keep``
     holds are kept as they are from the next forward on."""
     records, _ = ctl.ledger.view()
-    ctl.plan.exact_keys.update(
+    ctl.plan.kept_keys.update(
         key for key, rec in records.items() if rec.kind is Kind.QUANTIZED and keep(key)
     )
 

@@ -233,7 +233,7 @@ def test_a_reentrant_recomputation_is_not_counted_as_what_the_forward_holds():
     """Reentrant checkpointing recomputes each region through GACT's hooks in the backward:
     those saves live only while the region's backward runs, yet ``stats()`` added them to the
     step's bytes as if the forward had held them: ratio 4.7 where the forward held 1.19x less
-    than fp32's (non-reentrant: 1.30). They are counted apart (``recomputation_bytes``), and the
+    than fp32's (non-reentrant: 1.30). They are counted apart (``checkpoint_recomputation_bytes``), and the
     ratio is the non-reentrant one's, whose saves are the same."""
     ratios, recomputed = {}, {}
     for reentrant in (True, False):
@@ -244,6 +244,9 @@ def test_a_reentrant_recomputation_is_not_counted_as_what_the_forward_holds():
                 model(torch.randn(128, 16)).sum().backward()
                 ctl.step()
         stats = ctl.stats()
-        ratios[reentrant], recomputed[reentrant] = stats["ratio"], stats["recomputation_bytes"]
+        ratios[reentrant], recomputed[reentrant] = (
+            stats["ratio"],
+            stats["checkpoint_recomputation_bytes"],
+        )
     assert ratios[True] == pytest.approx(ratios[False], rel=0.02)
     assert recomputed[True] > 0 and recomputed[False] == 0

@@ -531,3 +531,55 @@ def test_a_failed_install_leaves_no_hook_on_the_parameters() -> None:
     with controller:
         assert len(model.weight._post_accumulate_grad_hooks) == 1
     assert not model.weight._post_accumulate_grad_hooks
+
+
+def test_two_controlled_models_each_count_their_own_backwards() -> None:
+    """A GAN with both models controlled: the innermost hooks pair (the generator's) unpacks
+    the discriminator's saves in the discriminator's own backward. Those unpacks were counted
+    as the generator's, so its ``iterate`` took its step's backward as done and skipped the
+    closure on every step (NOTE [Backwards seen] in backwards.py)."""
+    torch.manual_seed(0)
+    generator = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    discriminator = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+    config = GactConfig.from_level("L1", min_numel=0)
+    d_controller = SeedController(discriminator, config)
+    g_controller = SeedController(generator, config)
+    d_controller.install_hook()
+    g_controller.install_hook()  # the innermost pair
+    try:
+        for _ in range(3):
+            discriminator.zero_grad()
+            discriminator(torch.randn(32, 64)).square().mean().backward()
+            d_controller.step()
+
+            def closure() -> torch.Tensor:
+                generator.zero_grad()
+                loss = -discriminator(generator(torch.randn(32, 64))).mean()
+                loss.backward()
+                return loss
+
+            assert g_controller.iterate(closure) is not None
+    finally:
+        g_controller.uninstall_hook()
+        d_controller.uninstall_hook()
+    assert d_controller.hooks.unpacked_inside > 0 and g_controller.hooks.unpacked_inside > 0
+
+
+def test_gradients_rescaled_before_the_first_step_do_not_skip_it() -> None:
+    """The first step's mark is taken when the hooks are installed, as the counting hooks see
+    the gradients: gradients from a warm-up without GACT, rescaled in place (clipping, or
+    ``zero_grad(set_to_none=False)``) before the first ``iterate``, made it skip the closure."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    x = torch.randn(32, 8)
+    controller = SeedController(model, GactConfig.from_level("L1", min_numel=0))
+    model(x).sum().backward()  # a warm-up step without GACT
+    with controller:
+        model.zero_grad(set_to_none=False)
+
+        def closure() -> torch.Tensor:
+            loss = model(x).sum()
+            loss.backward()
+            return loss
+
+        assert controller.iterate(closure) is not None

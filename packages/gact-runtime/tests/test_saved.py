@@ -855,7 +855,7 @@ def test_packs_and_unpacks_show_as_profiler_ranges() -> None:
     model, x, _ = make_case("mlp")
 
     def closure() -> torch.Tensor:
-        loss = model(x).sum()  # saves nothing outside the model; its own saves and parameters
+        loss = model(x).sum()  # saves nothing outside the model, whose unpacks are counted
         model.zero_grad()
         loss.backward()
         return loss
@@ -871,7 +871,7 @@ def test_packs_and_unpacks_show_as_profiler_ranges() -> None:
         unpacks = controller.hooks.unpacked_inside - unpacked
     events = {e.key: e for e in prof.key_averages()}
     assert events["gact::pack"].count == saves > 0
-    assert events["gact::unpack"].count == unpacks + stats["parameter_saves"] > 0
+    assert events["gact::unpack"].count == unpacks > 0
     assert events["gact::pack"].cpu_time_total > 0
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         closure()  # no controller installed: no range

@@ -29,8 +29,10 @@ __all__ = ["BackwardsSeen", "Marks"]
 # parameter's version is not read: gradient clipping and ``GradScaler.unscale_`` rescale
 # gradients in place between a step's backward and ``optimizer.step()``, after ``iterate`` ended
 # the step, and read as a backward of the next step they made ``iterate`` skip every closure.
-# Nor do unpacks of saves made outside the model count (``SaveHooks.unpacked_inside``): another
-# model's backward between steps (a GAN's discriminator) unpacks those.
+# And each save counts its unpacks on the controller whose model saved it (``Saved.owner``,
+# ``SaveHooks.unpacked_inside``), not on the innermost hooks that unpack it: another model's
+# backward between steps (a GAN's discriminator, controlled or not) unpacked its own saves
+# through the generator's hooks, and the generator's closure was skipped at every step.
 #: ``BackwardsSeen.mark``: unpacks of the model's saves, gradients accumulated, and which
 #: gradient each parameter holds (a weak reference, and its version where no hook counts)
 Marks = tuple[int, int, list[tuple["weakref.ref[torch.Tensor] | None", "int | None"]]]

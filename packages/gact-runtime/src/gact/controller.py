@@ -209,8 +209,7 @@ class Controller:
                 "reproducible run (every scheduled adaptation then runs)",
             )
         self.parameter_filter.refresh()
-        known = self.tracker.compiled_module  # given, or seen called since a past install
-        runner = None if known is None else known()
+        runner = self.tracker.compiled_module  # given, or seen trained through since
         if runner is None and getattr(self.model, "_compiled_call_impl", None) is not None:
             runner = self.model  # model.compile()
         self.tracker.attach(compiled=runner)  # see NOTE [Compiled forwards] in scope.py
@@ -219,6 +218,8 @@ class Controller:
         compiled.CompileSettings.enter()
         self._context = context
         self.backwards.attach()
+        if not self.ledger.current:  # the open step's mark, as the counting hooks see it
+            self.backwards.boundary = self.backwards.mark()
         self._thread = threading.get_ident()
         self._ever_installed = True
         installed_hooks().append(self.hooks)

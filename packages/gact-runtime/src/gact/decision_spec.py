@@ -161,7 +161,7 @@ class DecisionSpec:
     def preferred_bits(self, tensor: torch.Tensor, nominal: int) -> int:
         """The width a save of ``tensor`` made during the call takes at least, where the level
         (whose width is ``nominal``) affords it (0: none; NOTE [Small maps] in
-        decision_rules.py)."""
+        norm_rules.py)."""
         if not self.extra_bits or id(tensor) not in self.precise_ids:
             return 0
         return min(8, nominal + self.extra_bits)

@@ -33,8 +33,8 @@ from .saved import (
     SavedShape,
     SavedView,
 )
-from .scope import OUTSIDE, Frame, ScopeTracker
-from .storing import PARAMETERS_KEY, Storing, feature_dim
+from .scope import Frame, ScopeTracker
+from .storing import Storing, feature_dim
 from .swap import Swapper
 
 if TYPE_CHECKING:
@@ -66,10 +66,6 @@ def _profiled(name: str) -> contextlib.AbstractContextManager[object]:
 # made while no controlled model is running (a loss computed after ``model(x)``, another model)
 # are kept as they are. ``installed_hooks`` lists the hooks installed on this thread, in order.
 _installed = threading.local()
-
-
-# the keys of saves that no forward of the model made: counted out of ``unpacked_inside``
-_NOT_THE_MODELS = (OUTSIDE, PARAMETERS_KEY)
 
 
 def installed_hooks() -> list[SaveHooks]:
@@ -112,8 +108,9 @@ class SaveHooks(Storing):
         self.shaped = LiveTable()  # tensors saved as their shape (NOTE [Shape-only saves])
         self.boundaries = LiveStorages()  # NOTE [Boundary saves], NOTE [Aliased saves]
         self.pending: collections.deque[SavedCompressed] = collections.deque()  # NOTE below
-        # unpacks of saves made in the model's forward so far: tell whether a closure ran a
-        # backward (NOTE [Backwards seen] in backwards.py)
+        # unpacks of saves this model's forwards made (their ``owner``), whichever hooks
+        # unpacked them: tell whether a closure ran a backward (NOTE [Backwards seen] in
+        # backwards.py)
         self.unpacked_inside = 0
         self.probing = False  # a ProbeSession is running its probes
         # tensors outside the model the open step's closure trained, whose gradients probes
@@ -160,18 +157,22 @@ class SaveHooks(Storing):
             if owner is None:
                 return self.pack_own(tensor, inside=False)
             made_by = origins.made_by()
-            if not origins.recomputing_checkpoint():
-                return owner.pack_own(tensor, inside=True, made_by=made_by)
-            owner.ledger.recomputing = True  # counted apart from what the forward holds
+            # a reentrant checkpoint's recomputation: counted apart from what the forward holds
+            recomputing = owner.ledger.recomputing_checkpoint = origins.recomputing_checkpoint()
             try:
-                return owner.pack_own(tensor, inside=True, made_by=made_by)
+                saved = owner.pack_own(tensor, inside=True, made_by=made_by)
             finally:
-                owner.ledger.recomputing = False
+                if recomputing:
+                    owner.ledger.recomputing_checkpoint = False
+            saved.owner = owner
+            return saved
 
     def unpack(self, saved: Saved | object) -> torch.Tensor:
         if not isinstance(saved, Saved):  # AOTAutograd traces a compiled graph's unpack
             return compiled.unpack_traced(saved, compiled.tracing_context())
-        self.unpacked_inside += not saved.key.startswith(_NOT_THE_MODELS)
+        owner = saved.owner  # the innermost hooks unpack every save: count on its owner's
+        if owner is not None:
+            owner.unpacked_inside += 1
         with _profiled("gact::unpack"):
             if self.pending:
                 self.settle()
@@ -564,7 +565,7 @@ class SaveHooks(Storing):
         """A compressed tensor reached a deciding backward node without exact masks (an
         operator whose Python entry point ``DecisionMode`` does not know): keep ``key`` exact
         from the next forward on."""
-        self.plan.exact_keys.add(key)
+        self.plan.kept_keys.add(key)
         if key not in self._warned_missed:
             self._warned_missed.add(key)
             warnings.warn(

@@ -86,7 +86,7 @@ class SiteRecord:
     # the width the save takes where the level affords it (NOTE [Small maps] in norm_rules.py)
     preferred_bits: int = 0
     # saved by a reentrant checkpoint region's recomputation in the backward, held only while
-    # the region's backward runs: not what the forward holds (``recomputation_bytes``)
+    # the region's backward runs: not what the forward holds (``checkpoint_recomputation_bytes``)
     in_backward: bool = False
 
 
@@ -100,7 +100,7 @@ class Ledger:
     last_deduplicated: int = 0
     recorded: int = 0  # saves recorded since the ledger was made (never reset)
     # the saves recorded now are a reentrant checkpoint's recomputation (``SaveHooks.pack``)
-    recomputing: bool = False
+    recomputing_checkpoint: bool = False
     # every key's record in the last completed step that saved it: what an adaptation
     # allocates beside its own step's keys (NOTE [Keys the step did not save] in adapt.py)
     seen: dict[str, SiteRecord] = field(default_factory=dict)
@@ -134,7 +134,7 @@ class Ledger:
                 rec.mask_bits, rec.mask_bytes = prior.mask_bits, prior.mask_bytes
             self.current[key] = rec
         rec.shape = shape
-        rec.in_backward = self.recomputing
+        rec.in_backward = self.recomputing_checkpoint
         rec.zero_exact = zero_exact
         rec.min_bits = min_bits
         rec.preferred_bits = preferred_bits
@@ -234,7 +234,7 @@ class Ledger:
             "original_bytes": original,
             "stored_bytes": stored,
             "ratio": original / stored if stored else (math.inf if original else 1.0),
-            "recomputation_bytes": sum(r.stored_bytes for r in saves if r.in_backward),
+            "checkpoint_recomputation_bytes": sum(r.stored_bytes for r in saves if r.in_backward),
             "compressed_tensors": sum(r.count for r in compressed),
             "skipped_tensors": sum(r.count for r in activations if r.kind is Kind.KEPT),
             "outside_tensors": sum(r.count for r in activations if r.kind is Kind.OUTSIDE),

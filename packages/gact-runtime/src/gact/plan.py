@@ -73,7 +73,7 @@ class BitPlan:
         # keys kept as they are from then on: their tensor fed a decision this runtime could
         # not keep exact (NOTE [Exact decisions]), or is an integer tensor that packing did not
         # shrink (NOTE [Integer saves] in storing.py)
-        self.exact_keys: set[str] = set()
+        self.kept_keys: set[str] = set()
         # whether each key's tensor took only two values when first seen (NOTE [Two-valued
         # tensors] in adapt.py): 1 bit stores such tensors exactly
         self.two_valued: dict[str, bool] = {}

@@ -32,7 +32,7 @@ __all__ = ["STATE_VERSION", "load_run_state", "run_state"]
 # compiled graphs (they compile again).
 STATE_VERSION = 1
 
-_PLAN_SETS = ("measured", "exact_keys", "value_read")
+_PLAN_SETS = ("measured", "kept_keys", "value_read")
 _PLAN_DICTS = ("bits", "sensitivity", "stderr", "two_valued")
 _ADAPTER = (
     "count", "seconds", "compile_seconds", "last_seconds", "last_step", "last_adapted",

@@ -73,10 +73,13 @@ def _describe(dtype: torch.dtype, device: torch.device, shape: Sequence[int]) ->
 class Saved(abc.ABC):
     """What autograd holds for one saved tensor; ``unpack`` gives the tensor back."""
 
-    __slots__ = ("__weakref__", "key", "node", "output_nr", "version")
+    __slots__ = ("__weakref__", "key", "node", "output_nr", "owner", "version")
 
     def __init__(self, tensor: torch.Tensor, key: str) -> None:
         self.key = key
+        # the hooks of the controller whose model's forward saved it, which count its unpacks
+        # (NOTE [Backwards seen] in backwards.py); ``None`` outside every controlled forward
+        self.owner: SaveHooks | None = None
         self.version = tensor._version
         self.node = None if tensor.grad_fn is None else type(tensor.grad_fn)
         self.output_nr = tensor.output_nr

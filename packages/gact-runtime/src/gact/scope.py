@@ -63,8 +63,8 @@ _ticks = itertools.count(1)
 #   dynamo traces and guards on, with no graph break. Before, the compiled forward of an
 #   ``nn.Sequential`` compiled after ``install_hook()`` ran eagerly on torch 2.11, every save
 #   kept.
-# - A compiled module seen called with gradients on is remembered (``compiled_module``, a weak
-#   reference) and the next ``attach`` hooks it alone, as if it had been given: hooks
+# - A compiled module seen called with gradients on is remembered (``compiled_module``, through
+#   a weak reference) and the next ``attach`` hooks it alone, as if it had been given: hooks
 #   registered anew on every module at each install fail dynamo's guards, so a model compiled
 #   after ``install_hook()`` (the Trainer's ``torch_compile=True`` under a callback that
 #   installs around every step) recompiled at each cycle, and past dynamo's recompile limit (8)
@@ -97,9 +97,9 @@ def _revived() -> Callable[..., None]:
 class _ModelHook(functools.partial):
     """A forward hook GACT registers on a module of the user's model. ``torch.save(model)``
     while the hooks are installed pickles it as a hook that does nothing: the controller that
-    registered it is not part of the model (a ``copy.deepcopy`` of the model likewise carries
-    hooks that ignore the copy). Its own closures, local functions, could not be pickled, so
-    saving the model failed. A ``functools.partial`` calls its function from C (about 30 ns
+    registered it is not part of the model; so does a ``copy.deepcopy`` of the model (an EMA
+    copy), which copies through pickling's protocol. Its own closures, local functions, could
+    not be pickled, so saving the model failed. A ``functools.partial`` calls its function from C (about 30 ns
     more per call) and dynamo traces it as the function."""
 
     __slots__ = ()
@@ -225,7 +225,7 @@ class ScopeTracker:
         # a call of the module torch.compile(model) returned is running (NOTE [Compiled forwards])
         self._in_compiled_module = False
         # the module torch.compile(model) returned, given or seen trained through
-        self.compiled_module = None if compiled_module is None else weakref.ref(compiled_module)
+        self._compiled_ref = None if compiled_module is None else weakref.ref(compiled_module)
         self._compiled_given = compiled_module is not None
         self._boundary_generation = 0  # the generation at the last step boundary
         # the model's compiled code runs eagerly, to be measured (NOTE [Measured compiled saves]
@@ -294,6 +294,12 @@ class ScopeTracker:
             self._handles.append(register_module_forward_pre_hook(self._global_enter))
             self._handles.append(register_module_forward_hook(leave, always_call=True))
 
+    @property
+    def compiled_module(self) -> nn.Module | None:
+        """The module ``torch.compile(model)`` returned, given or seen trained through (NOTE
+        [Compiled forwards]), while it lives; ``None`` if none."""
+        return None if self._compiled_ref is None else self._compiled_ref()
+
     def end_step(self, saved: bool) -> bool:
         """At a step boundary: forget a compiled module seen trained through if this step
         saved tensors without calling the model through it (the uncompiled model was trained,
@@ -301,8 +307,8 @@ class ScopeTracker:
         again. Returns whether it forgot one."""
         idle = self._generation == self._boundary_generation
         self._boundary_generation = self._generation
-        if saved and idle and self.compiled_module is not None and not self._compiled_given:
-            self.compiled_module = None
+        if saved and idle and self._compiled_ref is not None and not self._compiled_given:
+            self._compiled_ref = None
             return True
         return False
 
@@ -345,7 +351,7 @@ class ScopeTracker:
             if torch.compiler.is_compiling():
                 return  # a submodule traced by dynamo (see NOTE [Compiled forwards])
             label = labels.get(id(module))
-            if label is not None:  # (none: a copy of a submodule, which carries the hook)
+            if label is not None:  # (none: a shallow copy of a submodule, sharing the hook)
                 self._push(module, label, args)
 
         def leave(module: nn.Module, args: object, output: object) -> None:
@@ -363,7 +369,7 @@ class ScopeTracker:
         dynamo's frames (NOTE [Compiled forwards])."""
         if module._modules.get("_orig_mod") is self._model and not torch.compiler.is_compiling():
             if torch.is_grad_enabled():  # trained through: hook it alone from the next install
-                self.compiled_module = weakref.ref(module)
+                self._compiled_ref = weakref.ref(module)
             self._compiled_module_enter(module, args)
 
     def _enter_root(self, compiled: bool) -> None:
@@ -383,7 +389,7 @@ class ScopeTracker:
         def enter_root(module: nn.Module, args: object) -> None:
             if self._in_compiled_module:  # traced by dynamo: a guard on the flag, no graph break
                 return
-            if module is not self._model:  # a copy of the model (deepcopy) carries the hook
+            if module is not self._model:  # a shallow copy of the model shares the hook
                 return
             eager(module, args)
 

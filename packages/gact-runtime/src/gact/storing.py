@@ -31,7 +31,7 @@ PARAMETERS_KEY = "<parameters>"  # ledger key of every parameter/buffer save
 # and the copy its unpack restores beside the packed one took the step's peak to 1.06-1.34x
 # fp32's (1.11x where the packing had shrunk it to 0.36x: the backward's peak is that
 # unpack). So a key whose packing does not shrink its bytes ``INTEGER_GAIN`` times is kept as
-# it is from its next save on (``BitPlan.exact_keys``): the first save is packed (lossless
+# it is from its next save on (``BitPlan.kept_keys``): the first save is packed (lossless
 # either way), the later ones cost nothing to pack and hold what fp32 holds. Indices and token
 # ids in int64 pack 8x or more, inductor's int8 max-pooling offsets (2 bits) 3.8x.
 INTEGER_GAIN = 3
@@ -141,7 +141,7 @@ class Storing:
             tensor = compact
         if tensor.numel() < cfg.min_numel and not self.plan.probes(key):
             return Kind.KEPT
-        if key in self.plan.exact_keys:
+        if key in self.plan.kept_keys:
             return Kind.KEPT
         if tensor.dtype is torch.bool or tensor.dtype in gact_kernels.INT_DTYPES:
             return None  # packed losslessly
@@ -186,7 +186,7 @@ class Storing:
             payload = gact_kernels.pack_ints(data, group_size=group_size)
             kind, bits = Kind.PACKED, None
             if payload.nbytes * INTEGER_GAIN > data.nbytes:  # NOTE [Integer saves]
-                self.plan.exact_keys.add(key)
+                self.plan.kept_keys.add(key)
         else:
             bits = self.plan.bits_for(key)
             assert bits is not None
