@@ -258,3 +258,35 @@ def test_bad_config_raises() -> None:
 def test_docstring_examples() -> None:
     result = doctest.testmod(gact_transformers, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_a_run_resumed_from_a_checkpoint_goes_on_from_its_gact_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The callback is an ``ExportableState``: the Trainer keeps its configuration and GACT's
+    run state in its checkpoints (NOTE [Resumed runs] in resume.py), and with
+    ``restore_callback_states_from_checkpoint=True`` a resumed run goes on at the saved step
+    with the saved widths and sensitivities (it restarted GACT at step 0)."""
+    config = GactConfig.from_level("L2", adapt_interval=2, adapt_first_gap=1, adapt_budget=None)
+    options = dict(
+        save_strategy="steps", save_steps=4, restore_callback_states_from_checkpoint=True
+    )
+    first = GactCallback(config)
+    _trainer(tmp_path, [first], max_steps=4, **options).train()
+    saved = first.controller.state_dict()
+    begun: list[dict[str, Any]] = []
+    original = GactCallback.on_train_begin
+
+    def spy(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        begun.append(self.controller.state_dict())
+
+    monkeypatch.setattr(GactCallback, "on_train_begin", spy)
+    trainer = _trainer(tmp_path, [GactCallback(config)], max_steps=8, **options)
+    trainer.train(resume_from_checkpoint=True)
+    assert begun[0]["step"] == saved["step"] == 4
+    assert begun[0]["bits"] == saved["bits"] and saved["adapter"]["count"] >= 2
+    assert begun[0]["sensitivity"] == saved["sensitivity"]
+    (restored,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, GactCallback)]
+    assert restored.controller.state_dict()["step"] == 8
+    assert restored.config == config

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import numbers
 from collections.abc import Iterator, Mapping
@@ -13,7 +14,7 @@ from torch import nn
 
 from ..config import LEVELS, GactConfig
 from ..controller import Controller
-from ..errors import GactError
+from ..errors import ConfigError, GactError
 
 __all__ = [
     "DEFAULT_PROBE_SHARE",
@@ -27,7 +28,7 @@ __all__ = [
     "sub_batch_fraction",
 ]
 
-ConfigLike = Union[str, GactConfig]
+ConfigLike = Union[str, GactConfig, dict[str, Any]]
 #: The share of a batch that sensitivity probes replay by default (NOTE [Sub-batch probes]).
 DEFAULT_PROBE_SHARE = 0.25
 
@@ -37,16 +38,22 @@ class IntegrationError(GactError):
 
 
 def resolve_config(config: ConfigLike) -> GactConfig:
-    """The ``GactConfig`` a callback was given: a level name or a configuration.
+    """The ``GactConfig`` a callback was given: a level name, a configuration, or its fields
+    as a dict (as a framework restores a callback from a checkpoint).
 
     Raises:
-        TypeError: if ``config`` is neither.
-        ConfigError: if the level name is unknown.
+        TypeError: if ``config`` is none of them.
+        ConfigError: if the level name is unknown, or a field is.
     """
     if isinstance(config, GactConfig):
         return config
     if isinstance(config, str):
         return GactConfig.from_level(config)
+    if isinstance(config, dict):
+        unknown = set(config) - {f.name for f in dataclasses.fields(GactConfig)}
+        if unknown:
+            raise ConfigError(f"unknown GactConfig fields {sorted(unknown)}")
+        return GactConfig(**config)
     raise TypeError(
         f"config must be a level name ({', '.join(LEVELS)}) or a gact.GactConfig, got "
         f"{type(config).__name__}; e.g. GactCallback('L2') or "

@@ -5,10 +5,12 @@ Needs the ``transformers`` extra: ``pip install "gact-runtime[transformers]"``.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Any, Callable
 
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_callback import ExportableState
 
 from . import _session
 from ._session import CallbackBase, ConfigLike, IntegrationError, TrainingSession
@@ -95,7 +97,7 @@ def _running_trainer(callback: TrainerCallback) -> Trainer:
     )
 
 
-class GactCallback(CallbackBase, TrainerCallback):
+class GactCallback(CallbackBase, TrainerCallback, ExportableState):
     """Trains a ``transformers.Trainer``'s model with GACT's compressed activations.
 
     Works at every level, adaptive ones included (their sensitivity probes replay the Trainer's
@@ -144,6 +146,20 @@ class GactCallback(CallbackBase, TrainerCallback):
         self._model: Any = None
         self._trainer: Trainer | None = None
         self._recorder: _StepRecorder | None = None
+        self._restored: dict[str, Any] | None = None  # a checkpoint's run state, not loaded yet
+
+    def state(self) -> dict[str, Any]:
+        """What the Trainer keeps of the callback in its checkpoints (``ExportableState``):
+        the configuration and GACT's run state (NOTE [Resumed runs] in resume.py), restored
+        with ``TrainingArguments(restore_callback_states_from_checkpoint=True)``."""
+        run = None if self._session is None else self._session.controller.state_dict()
+        return {
+            "args": {
+                "config": dataclasses.asdict(self.config),
+                "probe_batch_size": self.probe_batch_size,
+            },
+            "attributes": {"_restored": run},
+        }
 
     def on_train_begin(
         self,
@@ -158,6 +174,9 @@ class GactCallback(CallbackBase, TrainerCallback):
         if self._session is None or self._model is not model:
             self._session = TrainingSession(model, self.config)
             self._model = model
+        if self._restored is not None:
+            self._session.controller.load_state_dict(self._restored)
+            self._restored = None
         _restore(trainer)  # a previous train() that failed left its recorder in place
         self._recorder = _StepRecorder(
             trainer.training_step, self._session, vars(trainer).get("training_step")
