@@ -253,6 +253,11 @@ def test_bad_config_raises() -> None:
         GactCallback(4)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="unknown optimization level"):
         GactCallback("L9")
+    with pytest.raises(ConfigError, match=r"unknown GactConfig fields \['bits_per_tensor'\]"):
+        GactCallback({"level": "L2", "bits_per_tensor": 4})
+    with pytest.raises(ConfigError, match="unknown optimization level"):
+        GactCallback({"level": "L9"})
+    assert GactCallback({"level": "L1", "group_size": 64}).config.group_size == 64
 
 
 def test_docstring_examples() -> None:
