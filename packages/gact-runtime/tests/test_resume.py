@@ -133,3 +133,33 @@ def test_a_state_is_checked_before_it_is_loaded() -> None:
         controller.step()
     controller.load_state_dict(state)
     assert controller.plan.step == state["step"] == 2
+
+
+def test_a_resumed_loop_that_accumulates_keeps_its_steps() -> None:
+    """A plain loop with two micro-batches per ``step()``: until its first boundary a
+    Controller splits a step at the second forward (NOTE [Steps]). A resumed Controller did so
+    again, counting the first step after resuming as two and shifting every later seed (the
+    weights 0.004 off the uninterrupted run's); the state now says the loop marks its steps."""
+
+    def train(steps: range, state: dict | None) -> dict:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        controller = Controller(model, GactConfig.from_level("L1", min_numel=0))
+        if state is not None:
+            model.load_state_dict(state["model"])
+            controller.load_state_dict(state["gact"])
+        with controller:
+            for step in steps:
+                optimizer.zero_grad()
+                for half in range(2):
+                    x, y = _batch(2 * step + half)
+                    F.cross_entropy(model(x), y).backward()
+                optimizer.step()
+                controller.step()
+        return {"model": model.state_dict(), "gact": controller.state_dict()}
+
+    whole = train(range(6), None)
+    resumed = train(range(3, 6), train(range(3), None))
+    assert resumed["gact"]["step"] == whole["gact"]["step"]
+    assert all(torch.equal(v, resumed["model"][k]) for k, v in whole["model"].items())

@@ -140,16 +140,16 @@ class Items:
 
 # NOTE [Keys the step did not save]
 # A model may save different tensors on different steps: a block run on some steps only
-# (multi-task heads, layer drop, a branch taken by the data). An adaptation estimates the
-# tensors its own step saved; the others keep their widths, and take part in its allocation at
-# them (``Ledger.seen``: every key's record in the last step that saved it), so that the budget
-# (``memory_budget``, or the level's average) holds on every step once each key was seen.
-# Before, an allocation placed its own step's keys alone: the others fell back to the level's
-# default width, outside the budget (a block run on odd steps, adaptations on even ones:
-# 67,140 bytes on every odd step against a memory_budget of 40,000), and lost the widths and
-# sensitivities earlier adaptations had found. A key's first step, before any allocation
-# placed it, stores it at the default width (raised to its preferred one), as a run's first
-# step does (NOTE [Prior allocation]).
+# (multi-task heads, layer drop, a branch the data takes). An adaptation estimates and places
+# the tensors its own step saved; the others keep the widths and sensitivities earlier
+# adaptations gave them (before, they fell back to the level's default width and their
+# sensitivities were forgotten). The budget is the step's: a step that saves tensors the last
+# adapting step did not may store more than it (a block run on odd steps, adaptations on even
+# ones: 67,140 bytes on those steps against a memory_budget of 40,000). Allocating every key
+# ever seen under one budget was tried and dropped: branches that never run together then
+# shared one budget (each collapsed to 1 bit where each step fitted alone), and at an average
+# the bits that cheap absent keys left went to the others (twice the level's average on steps
+# without them).
 
 
 # NOTE [Held tensors]
@@ -207,7 +207,6 @@ class Adapter:
         meter: SensitivityMeter | None = None,
         *,
         probes_later: bool = True,
-        absent: dict[str, SiteRecord] | None = None,
     ) -> bool:
         """Estimate sensitivities, update their smoothed values and re-allocate bits: measured
         for the keys ``meter`` measured in the step (NOTE [Measured sensitivities] in
@@ -217,8 +216,6 @@ class Adapter:
             closure: forward + backward on the probe batch; ``None``: no probes run now, the
                 items that need them are held at their widths (NOTE [Held tensors]).
             sites: the open step's records; every quantizable key among them is an item.
-            absent: records of keys earlier steps saved and this one did not, allocated at
-                their widths beside the step's (NOTE [Keys the step did not save]).
             run_closure: runs a closure and checks that it ran a backward.
             meter: what the step measured, or ``None`` (every item is probed).
             probes_later: with held items, keep the probing adaptation due (the schedule
@@ -240,23 +237,19 @@ class Adapter:
         # keys seen for the first time start from their own estimate
         previous = [plan.sensitivity.get(k, float(e)) for k, e in zip(items.keys, value)]
         sensitivity = gact_policy.smooth(previous, value, cfg.sensitivity_momentum)
-        whole = Items.of({**sites, **(absent or {})}, cfg.overhead_bits, plan.two_valued)
-        extra = np.arange(len(items.keys), len(whole.keys))  # the absent keys' items
-        assert whole.keys[: len(items.keys)] == items.keys
-        sensitivity = np.concatenate(
-            [sensitivity, [plan.sensitivity.get(k, 0.0) for k in whole.keys[len(items.keys) :]]]
-        )
-        pins = whole.pinned.copy()  # held items keep their widths (NOTE [Held tensors])
-        kept = np.concatenate([held, extra]).astype(np.int64)  # and absent ones theirs
+        pins = items.pinned.copy()  # held items keep their widths (NOTE [Held tensors])
         # the width each held item was stored at: its allocation's, or for a key no
         # allocation placed yet, the default raised to its preferred width (SaveHooks._compress)
-        default = np.maximum(plan.default_bits, whole.preferred)
-        current = [plan.bits.get(whole.keys[i], int(default[i])) for i in kept]
-        pins[kept] = np.maximum(current, whole.lower[kept])
-        bits = self._allocate(dataclasses.replace(whole, pinned=pins), sensitivity)
-        plan.bits = {k: int(b) for k, b in zip(whole.keys, bits)}
+        default = np.maximum(plan.default_bits, items.preferred)
+        current = [plan.bits.get(items.keys[i], int(default[i])) for i in held]
+        pins[held] = np.maximum(current, items.lower[held])
+        bits = self._allocate(dataclasses.replace(items, pinned=pins), sensitivity)
+        fresh = {k: int(b) for k, b in zip(items.keys, bits)}
+        # keys this step did not save keep their widths (NOTE [Keys the step did not save])
+        plan.bits = {k: b for k, b in plan.bits.items() if k not in fresh} | fresh
         moved = np.setdiff1d(np.arange(len(items.keys)), held)
-        known = [whole.keys[i] for i in kept.tolist() if whole.keys[i] in plan.sensitivity]
+        known = [items.keys[i] for i in held.tolist() if items.keys[i] in plan.sensitivity]
+        known += [k for k in plan.sensitivity if k not in fresh]
         plan.sensitivity = {k: plan.sensitivity[k] for k in known} | {
             items.keys[i]: float(sensitivity[i]) for i in moved.tolist()
         }

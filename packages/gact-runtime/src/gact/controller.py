@@ -431,10 +431,7 @@ class Controller:
             if adapting is not None:
                 meter = self.pacing.disarm()
                 probes = probe_closure or closure if adapting == "probes" else None
-                self.adapter.adapt(
-                    probes, self.ledger.current, self.run_closure, meter,
-                    absent=self.ledger.absent(),
-                )  # fmt: skip
+                self.adapter.adapt(probes, self.ledger.current, self.run_closure, meter)
         finally:  # a failed adaptation still ends the step the real closure completed
             self.hooks.closure_leaves = []
             self._end_step("iterate")
@@ -524,9 +521,8 @@ class Controller:
             return
         meter = self.pacing.disarm()
         adapted = self.adapter.adapt(
-            None, self.ledger.current, self.run_closure, meter, probes_later=self._iterated,
-            absent=self.ledger.absent(),
-        )  # fmt: skip
+            None, self.ledger.current, self.run_closure, meter, probes_later=self._iterated
+        )
         if not adapted or (self.adapter.last_held and not self._iterated):
             self._warn_once(
                 "no adaptation",

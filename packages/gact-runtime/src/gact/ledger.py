@@ -101,9 +101,6 @@ class Ledger:
     recorded: int = 0  # saves recorded since the ledger was made (never reset)
     # the saves recorded now are a reentrant checkpoint's recomputation (``SaveHooks.pack``)
     recomputing_checkpoint: bool = False
-    # every key's record in the last completed step that saved it: what an adaptation
-    # allocates beside its own step's keys (NOTE [Keys the step did not save] in adapt.py)
-    seen: dict[str, SiteRecord] = field(default_factory=dict)
 
     def record(
         self,
@@ -200,13 +197,8 @@ class Ledger:
         if self.current:
             self.last = self.current
             self.last_deduplicated = self.deduplicated
-            self.seen.update(self.current)
         self.current = {}
         self.deduplicated = 0
-
-    def absent(self) -> dict[str, SiteRecord]:
-        """The records of keys seen in earlier steps that the open step has not saved."""
-        return {k: r for k, r in self.seen.items() if k not in self.current}
 
     def discard(self) -> None:
         """Forget the open step (its forward failed)."""

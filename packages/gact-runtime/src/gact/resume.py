@@ -5,11 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from .errors import ConfigError, HookStateError
-from .ledger import Kind, SiteRecord
-from .scope import dtype_name
 
 if TYPE_CHECKING:
     from .controller import Controller
@@ -26,10 +22,11 @@ __all__ = ["STATE_VERSION", "load_run_state", "run_state"]
 # a checkpoint and ``torch.load(..., weights_only=True)`` reads it. It holds the configuration
 # it was made under: loading it into a Controller configured otherwise raises, rather than
 # continue one run's widths under another's budget (``configure`` after loading changes it).
-# It holds each key's last record too (``Ledger.seen``), which allocations read for the keys
-# their step did not save (NOTE [Keys the step did not save] in adapt.py). What is not carried
-# over: the last step's statistics (``stats()`` starts empty), warnings already given, and
-# compiled graphs (they compile again).
+# It holds whether the loop marks its steps (``step()``, ``iterate()``): a resumed loop that
+# accumulates micro-batches would otherwise have its first step split at the second forward
+# again (NOTE [Steps] in controller.py), shifting every later seed. What is not carried over:
+# the last step's statistics (``stats()`` starts empty), warnings already given, and compiled
+# graphs (they compile again).
 STATE_VERSION = 1
 
 _PLAN_SETS = ("measured", "kept_keys", "value_read")
@@ -54,22 +51,8 @@ def run_state(controller: Controller) -> dict[str, Any]:
         "pacing": {name: getattr(controller.pacing, name) for name in _PACING},
         "verdicts": [[*key, *verdict] for key, verdict in hooks._verdicts.items()],
         "iterated": controller._iterated,
-        "seen": [_plain(record) for record in controller.ledger.seen.values()],
+        "explicit_steps": controller._explicit_steps,
     }
-
-
-def _plain(record: SiteRecord) -> dict[str, Any]:
-    """``record`` as plain values (its kind and dtype by name)."""
-    fields = dataclasses.asdict(record)
-    fields["kind"], fields["dtype"] = record.kind.value, dtype_name(record.dtype)
-    fields["shape"] = list(record.shape)
-    return fields
-
-
-def _record(fields: dict[str, Any]) -> SiteRecord:
-    """The inverse of ``_plain``."""
-    kind, dtype = Kind(fields["kind"]), getattr(torch, fields["dtype"])
-    return SiteRecord(**{**fields, "kind": kind, "dtype": dtype, "shape": tuple(fields["shape"])})
 
 
 def load_run_state(controller: Controller, state: dict[str, Any]) -> None:
@@ -86,7 +69,7 @@ def load_run_state(controller: Controller, state: dict[str, Any]) -> None:
             f"not a GACT run state of version {STATE_VERSION} (found {found!r}); pass what "
             "Controller.state_dict() returned"
         )
-    missing = {"config", "step", "adapter", "pacing", "verdicts", "iterated", "seen"}
+    missing = {"config", "step", "adapter", "pacing", "verdicts", "iterated", "explicit_steps"}
     missing |= {*_PLAN_SETS, *_PLAN_DICTS}
     missing -= state.keys()
     if missing:
@@ -120,4 +103,4 @@ def load_run_state(controller: Controller, state: dict[str, Any]) -> None:
         setattr(controller.pacing, name, state["pacing"][name])
     controller.hooks._verdicts = {(w, k): (b, s, v) for w, k, b, s, v in state["verdicts"]}
     controller._iterated = bool(state["iterated"])
-    controller.ledger.seen = {fields["key"]: _record(fields) for fields in state["seen"]}
+    controller._explicit_steps = bool(state["explicit_steps"])
