@@ -248,3 +248,29 @@ def test_a_run_resumed_from_a_checkpoint_goes_on_from_its_gact_state(
     assert restored[0]["bits"] == state["bits"] and state["adapter"]["count"] >= 2
     assert restored[0]["sensitivity"] == state["sensitivity"]
     assert resumed.controller.state_dict()["step"] == 16
+
+
+def test_a_run_resumed_under_another_level_goes_on_under_the_new_one(tmp_path: Any) -> None:
+    """A run saved at L2 and resumed with a callback at L2.2: the saved run goes on (step 8),
+    then the new level's budget takes over as ``configure`` makes it. Before, loading raised
+    ``ConfigError`` and suggested ``configure()``, which a callback's user cannot reach."""
+
+    def fit(level: str, steps: int, ckpt: str | None = None) -> tuple[Any, Any]:
+        config = GactConfig.from_level(
+            level, adapt_interval=4, adapt_first_gap=1, adapt_budget=None
+        )
+        callback = GactCallback(config)
+        trainer = pl.Trainer(
+            max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
+        )  # fmt: skip
+        trainer.fit(_classifier(pl.LightningModule), _loader(), ckpt_path=ckpt)
+        return trainer, callback
+
+    first, _ = fit("L2", 8)
+    path = str(tmp_path / "epoch.ckpt")
+    first.save_checkpoint(path)
+    _, resumed = fit("L2.2", 16, ckpt=path)
+    stats = resumed.controller.stats()
+    assert resumed.controller.config.level == "L2.2" and stats["step"] == 16
+    assert stats["average_bits"] is not None and stats["average_bits"] < 2.6

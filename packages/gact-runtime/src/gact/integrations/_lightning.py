@@ -88,7 +88,7 @@ class LightningGact(CallbackBase):
         if self._session is None or self._session.model is not pl_module:
             self._session = TrainingSession(pl_module, self.config)
         if self._restored is not None:
-            self._session.controller.load_state_dict(self._restored)
+            self._session.restore(self._restored)
             self._restored = None
 
     def on_train_batch_start(

@@ -107,6 +107,20 @@ class TrainingSession:
     def model(self) -> nn.Module:
         return self.controller.model
 
+    def restore(self, state: dict[str, Any]) -> None:
+        """Go on with the run a checkpoint saved (``Controller.state_dict``), before training.
+        Saved under another configuration than the callback's (a resumed run given another
+        level), the run goes on under the saved one, and then the callback's takes over, as
+        ``configure`` makes it: the next step's end allocates its budget (NOTE [Resumed runs]
+        in resume.py)."""
+        config = self.controller.config
+        saved = state.get("config") if isinstance(state, dict) else None
+        if isinstance(saved, dict) and saved != dataclasses.asdict(config):
+            self.controller.configure(resolve_config(saved))
+        self.controller.load_state_dict(state)
+        if self.controller.config != config:
+            self.controller.configure(config)
+
     def begin(self) -> None:
         """Install the hooks unless they are installed (see NOTE [Hooks only while training
         runs]); ``end()`` must follow on every path."""

@@ -175,7 +175,7 @@ class GactCallback(CallbackBase, TrainerCallback, ExportableState):
             self._session = TrainingSession(model, self.config)
             self._model = model
         if self._restored is not None:
-            self._session.controller.load_state_dict(self._restored)
+            self._session.restore(self._restored)
             self._restored = None
         _restore(trainer)  # a previous train() that failed left its recorder in place
         self._recorder = _StepRecorder(
