@@ -212,6 +212,19 @@ def test_docstring_examples() -> None:
     assert result.attempted > 0 and result.failed == 0
 
 
+def _checkpointed(level: str, steps: int, ckpt: str | None = None) -> tuple[Any, Any]:
+    """A fit of ``steps`` steps at ``level`` (adapting often), from checkpoint ``ckpt`` if
+    given; the trainer and the callback."""
+    config = GactConfig.from_level(level, adapt_interval=4, adapt_first_gap=1, adapt_budget=None)
+    callback = GactCallback(config)
+    trainer = pl.Trainer(
+        max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
+    )  # fmt: skip
+    trainer.fit(_classifier(pl.LightningModule), _loader(), ckpt_path=ckpt)
+    return trainer, callback
+
+
 def test_a_run_resumed_from_a_checkpoint_goes_on_from_its_gact_state(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -219,19 +232,7 @@ def test_a_run_resumed_from_a_checkpoint_goes_on_from_its_gact_state(
     resumed from a checkpoint after 8 steps, GACT goes on at step 8 with the widths,
     sensitivities and schedule it had (not at step 0 with the prior: other rounding seeds,
     the schedule anew). (Lightning's own resume is not bit-identical here, GACT or not.)"""
-
-    def fit(steps: int, ckpt: str | None = None) -> tuple[Any, Any]:
-        callback = GactCallback(
-            GactConfig.from_level("L2", adapt_interval=4, adapt_first_gap=1, adapt_budget=None)
-        )
-        trainer = pl.Trainer(
-            max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
-        )  # fmt: skip
-        trainer.fit(_classifier(pl.LightningModule), _loader(), ckpt_path=ckpt)
-        return trainer, callback
-
-    first, saved = fit(8)  # one epoch of 8 batches
+    first, saved = _checkpointed("L2", 8)  # one epoch of 8 batches
     path = str(tmp_path / "epoch.ckpt")
     first.save_checkpoint(path)
     state = saved.controller.state_dict()
@@ -243,7 +244,7 @@ def test_a_run_resumed_from_a_checkpoint_goes_on_from_its_gact_state(
         restored.append(self.controller.state_dict())
 
     monkeypatch.setattr(GactCallback, "on_train_start", spy)
-    _, resumed = fit(16, ckpt=path)
+    _, resumed = _checkpointed("L2", 16, ckpt=path)
     assert restored[0]["step"] == state["step"] == 8
     assert restored[0]["bits"] == state["bits"] and state["adapter"]["count"] >= 2
     assert restored[0]["sensitivity"] == state["sensitivity"]
@@ -254,23 +255,10 @@ def test_a_run_resumed_under_another_level_goes_on_under_the_new_one(tmp_path: A
     """A run saved at L2 and resumed with a callback at L2.2: the saved run goes on (step 8),
     then the new level's budget takes over as ``configure`` makes it. Before, loading raised
     ``ConfigError`` and suggested ``configure()``, which a callback's user cannot reach."""
-
-    def fit(level: str, steps: int, ckpt: str | None = None) -> tuple[Any, Any]:
-        config = GactConfig.from_level(
-            level, adapt_interval=4, adapt_first_gap=1, adapt_budget=None
-        )
-        callback = GactCallback(config)
-        trainer = pl.Trainer(
-            max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
-        )  # fmt: skip
-        trainer.fit(_classifier(pl.LightningModule), _loader(), ckpt_path=ckpt)
-        return trainer, callback
-
-    first, _ = fit("L2", 8)
+    first, _ = _checkpointed("L2", 8)
     path = str(tmp_path / "epoch.ckpt")
     first.save_checkpoint(path)
-    _, resumed = fit("L2.2", 16, ckpt=path)
+    _, resumed = _checkpointed("L2.2", 16, ckpt=path)
     stats = resumed.controller.stats()
     assert resumed.controller.config.level == "L2.2" and stats["step"] == 16
     assert stats["average_bits"] is not None and stats["average_bits"] < 2.6
