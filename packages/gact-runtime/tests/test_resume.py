@@ -123,6 +123,9 @@ def test_a_state_is_checked_before_it_is_loaded() -> None:
         controller.load_state_dict({"step": 3})
     with pytest.raises(ValueError, match="lacks"):
         controller.load_state_dict({k: v for k, v in state.items() if k != "bits"})
+    adapter = {k: v for k, v in state["adapter"].items() if k != "count"}
+    with pytest.raises(ValueError, match=r"lacks \['adapter.count'\]"):  # before any change
+        controller.load_state_dict({**state, "adapter": adapter})
     with pytest.raises(ConfigError, match="memory_budget: None there, 5000 here"):
         Controller(model, _config("L2").replace(memory_budget=5000)).load_state_dict(state)
     assert controller.plan.step == 0 and not controller.plan.bits

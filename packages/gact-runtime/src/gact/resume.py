@@ -72,9 +72,12 @@ def load_run_state(controller: Controller, state: dict[str, Any]) -> None:
     missing = {"config", "step", "adapter", "pacing", "verdicts", "iterated", "explicit_steps"}
     missing |= {*_PLAN_SETS, *_PLAN_DICTS}
     missing -= state.keys()
-    if missing:
-        raise ValueError(f"the GACT run state lacks {sorted(missing)}: it was not made by "
-                         "Controller.state_dict()")  # fmt: skip
+    for part, names in (("adapter", _ADAPTER), ("pacing", _PACING)):
+        inner = state.get(part)
+        missing |= {f"{part}.{n}" for n in names if not isinstance(inner, dict) or n not in inner}
+    if missing or not all(isinstance(v, list) and len(v) == 5 for v in state["verdicts"]):
+        raise ValueError(f"the GACT run state lacks {sorted(missing) or ['verdicts']}: it was "
+                         "not made by Controller.state_dict()")  # fmt: skip
     if controller.ledger.current:
         raise HookStateError(
             "cannot load a run state in the middle of a step (tensors were saved since the "
