@@ -231,9 +231,9 @@ class _Blocks(nn.Module):
 
 def test_a_reentrant_recomputation_is_not_counted_as_what_the_forward_holds():
     """Reentrant checkpointing recomputes each region through GACT's hooks in the backward:
-    those saves live only while the region's backward runs, yet ``stats()`` added them to the
-    step's bytes as if the forward had held them: ratio 4.7 where the forward held 1.19x less
-    than fp32's (non-reentrant: 1.30). They are counted apart (``checkpoint_recomputation_bytes``), and the
+    those saves live only while the region's backward runs, yet ``stats()`` added them to the step's
+    bytes as if the forward had held them: ratio 4.7 where the forward held 1.19x less than fp32's
+    (non-reentrant: 1.30). They are counted apart (``checkpoint_recomputation_bytes``), and the
     ratio is the non-reentrant one's, whose saves are the same."""
     ratios, recomputed = {}, {}
     for reentrant in (True, False):

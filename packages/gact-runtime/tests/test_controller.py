@@ -80,13 +80,13 @@ def test_iterate_returns_the_closure_result() -> None:
 
 @pytest.mark.parametrize("between", ["clip_grad_norm_", "another model's backward"])
 def test_iterate_runs_every_closure_whatever_ran_between_steps(between: str) -> None:
-    """``loss = controller.iterate(closure)``, then gradient clipping or a plain PyTorch update
-    of another model (a GAN's discriminator) before the next step: neither is this step's
-    backward (NOTE [Backwards seen] in backwards.py), so every closure runs and training matches PyTorch's
-    bit for bit at L0. Clipping rescales the gradients in place after the boundary, and the
-    other model's saves are unpacked by its own backward: each was taken for a backward of the
-    open step, the closure was skipped on 29 of 30 steps, and the optimizer re-applied the
-    last clipped gradient (final loss 1.45 against 0.96)."""
+    """``loss = controller.iterate(closure)``, then gradient clipping or a plain PyTorch update of
+    another model (a GAN's discriminator) before the next step: neither is this step's backward
+    (NOTE [Backwards seen] in backwards.py), so every closure runs and training matches PyTorch's
+    bit for bit at L0. Clipping rescales the gradients in place after the boundary, and the other
+    model's saves are unpacked by its own backward: each was taken for a backward of the open step,
+    the closure was skipped on 29 of 30 steps, and the optimizer re-applied the last clipped
+    gradient (final loss 1.45 against 0.96)."""
 
     def train(gact: bool) -> tuple[int, list[torch.Tensor]]:
         torch.manual_seed(0)
@@ -519,7 +519,8 @@ def test_the_model_saves_and_loads_while_installed(compiled: bool) -> None:
 
 def test_a_failed_install_leaves_no_hook_on_the_parameters() -> None:
     """``install_hook()`` under ``disable_saved_tensors_hooks`` raises; the gradient-counting
-    hooks it registers on the parameters (NOTE [Backwards seen] in backwards.py) must not stay behind."""
+    hooks it registers on the parameters (NOTE [Backwards seen] in backwards.py) must not stay
+    behind."""
     model = nn.Linear(4, 4)
     controller = SeedController(model, GactConfig.from_level("L1"))
     for _ in range(2):

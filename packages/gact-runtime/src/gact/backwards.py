@@ -53,6 +53,7 @@ class BackwardsSeen:
         # counting them hold no reference to this object
         self._accumulated = [0]
         self._handles: list[RemovableHandle] = []
+        self._counted: set[int] = set()  # ``id()`` of the parameters whose hooks count
         self.boundary = self.mark()  # at the last step boundary
 
     def attach(self) -> None:
@@ -62,17 +63,16 @@ class BackwardsSeen:
         def count(param: torch.Tensor) -> None:
             counter[0] += 1
 
-        self._handles = [
-            p.register_post_accumulate_grad_hook(count)
-            for p in self._model.parameters()
-            if p.requires_grad
-        ]
+        counted = [p for p in self._model.parameters() if p.requires_grad]
+        self._handles = [p.register_post_accumulate_grad_hook(count) for p in counted]
+        self._counted = set(map(id, counted))
 
     def detach(self) -> None:
         """Remove the counting hooks."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._counted = set()
 
     def mark(self) -> Marks:
         """Where the counts stand now. Weak references to the gradients: a strong one would
@@ -84,7 +84,7 @@ class BackwardsSeen:
             [
                 (None, None)
                 if p.grad is None
-                else (weakref.ref(p.grad), None if _counted(p) else p.grad._version)
+                else (weakref.ref(p.grad), None if id(p) in self._counted else p.grad._version)
                 for p in self._model.parameters()
             ],
         )
@@ -103,8 +103,3 @@ class BackwardsSeen:
             and (ref is None or ref() is not p.grad or (v is not None and p.grad._version != v))
             for p, (ref, v) in zip(self._model.parameters(), grads)
         )
-
-
-def _counted(param: torch.Tensor) -> bool:
-    """Whether ``param`` has an accumulation-counting hook."""
-    return bool(getattr(param, "_post_accumulate_grad_hooks", None))

@@ -97,8 +97,8 @@ SECOND_DERIVATIVES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-LOOKUP_CHUNK = 1 << 16  # a table's values look up at most so many codes at once, or
-LOOKUP_PIECES = 8  # the codes in so many pieces (see ``DerivativeTable.values``)
+LOOKUP_CHUNK = 1 << 16  # codes a table's values look up at once; more go in
+LOOKUP_PIECES = 8  # this many pieces (``DerivativeTable.values``)
 
 
 @dataclass(frozen=True, eq=False)
@@ -142,7 +142,8 @@ class DerivativeTable:
             return inputs.index_select(0, flat.int()).view(codes.shape)
         # in LOOKUP_PIECES pieces: an int32 copy of every code would hold 4 bytes per element
         # beside the output at the unpack, where a dequantize holds its output alone (a GELU's
-        # backward then peaked at 2.25x its input's size instead of 1x); a piece holds 0.5
+        # backward then peaked at 2.25x its input's size instead of 1x); a piece's copy holds
+        # 0.5 bytes per element
         out = torch.empty(flat.shape, dtype=dtype, device=codes.device)
         piece = -(-numel // LOOKUP_PIECES)
         for start in range(0, numel, piece):

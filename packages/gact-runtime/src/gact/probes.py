@@ -24,23 +24,23 @@ if TYPE_CHECKING:
 __all__ = ["GradientSketch", "ProbeGuard", "ProbeSession", "trained_leaves"]
 
 # NOTE [Probes leave no trace]
-# A probe is one extra run of the user's closure with chosen bits and seeds. Around all probes
-# of an adaptation, ``ProbeGuard`` keeps: the CPU and every initialised CUDA generator's state,
-# NumPy's global one and Python's ``random`` (reset before every probe, so dropout and a
-# forward's own draws, as SpecAugment's in transformers, are the same in each, and restored
-# after), every buffer's value (BatchNorm running statistics and ``num_batches_tracked``),
-# every module's training flag, and the gradient tensors the user's closure produced (set
-# aside, so probes accumulate into fresh ``.grad`` tensors, and put back). A gradient that is a view into a larger
+# A probe is one extra run of the user's closure with chosen bits and seeds. Around all probes of
+# an adaptation, ``ProbeGuard`` keeps: the CPU and every initialised CUDA generator's state,
+# NumPy's global one and Python's ``random`` (reset before every probe, so dropout and a forward's
+# own draws, as SpecAugment's in transformers, are the same in each, and restored after), every
+# buffer's value (BatchNorm running statistics and ``num_batches_tracked``), every module's
+# training flag, and the gradient tensors the user's closure produced (set aside, so probes
+# accumulate into fresh ``.grad`` tensors, and put back). A gradient that is a view into a larger
 # storage (DDP's ``gradient_as_bucket_view=True``: probes all-reduce into the same buckets) is
 # also copied and refilled in place; any other gradient tensor is set aside as it is, without a
 # copy. No optimizer is involved. Under torch.distributed, rank 0's list of items is used by every
-# rank, so all ranks run the same number of probes (their all-reduces match) and allocate the
-# same bits. A closure may also train tensors outside the model (a head, a learnable loss):
-# ``iterate`` finds them as the leaves of the autograd graph of what the closure returned (its
-# structure outlives the backward), and their gradients are set aside and restored as the
-# model's; before, the last probe's gradient (another dropout mask: 1.05 off, relative norm)
-# or the sum over every run replaced the real step's. Buffers of modules outside the model
-# cannot be found so: ``iterate`` warns that probes update them.
+# rank, so all ranks run the same number of probes (their all-reduces match) and allocate the same
+# bits. A closure may also train tensors outside the model (a head, a learnable loss): ``iterate``
+# finds them as the leaves of the autograd graph of what the closure returned (its structure
+# outlives the backward), and their gradients are set aside and restored as the model's; before,
+# the last probe's gradient (another dropout mask: 1.05 off, relative norm) or the sum over every
+# run replaced the real step's. Buffers of modules outside the model cannot be found so:
+# ``iterate`` warns that probes update them.
 
 
 def trained_leaves(result: Any) -> list[torch.Tensor]:
@@ -92,7 +92,7 @@ class ProbeGuard:
         # the global streams a forward may draw from
         self._numpy_rng = np.random.get_state()  # noqa: NPY002
         self._python_rng = random.getstate()
-        trained = {id(p): p for p in (*model.parameters(), *self._leaves)}.values()
+        trained = (*model.parameters(), *self._leaves)
         self._grads = [(p, p.grad, _copy_if_shared(p.grad)) for p in trained]
         self._buffers = [(b, b.detach().clone()) for b in model.buffers()]
         self._modes = [(m, m.training) for m in model.modules()]

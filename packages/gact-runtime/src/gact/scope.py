@@ -99,8 +99,8 @@ class _ModelHook(functools.partial):
     while the hooks are installed pickles it as a hook that does nothing: the controller that
     registered it is not part of the model; so does a ``copy.deepcopy`` of the model (an EMA
     copy), which copies through pickling's protocol. Its own closures, local functions, could
-    not be pickled, so saving the model failed. A ``functools.partial`` calls its function from C (about 30 ns
-    more per call) and dynamo traces it as the function."""
+    not be pickled, so saving the model failed. A ``functools.partial`` calls its function
+    from C (about 30 ns more per call) and dynamo traces it as the function."""
 
     __slots__ = ()
 

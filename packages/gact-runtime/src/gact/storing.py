@@ -19,9 +19,9 @@ from .plan import BitPlan
 from .recomputed import ActivationCall
 from .saved import Saved, SavedCompressed, SavedDecisions, SavedKept
 
-__all__ = ["FEATURE_GROUP_BITS", "INTEGER_GAIN", "PARAMETERS_KEY", "Storing", "feature_dim"]
+__all__ = ["FEATURE_GROUP_BITS", "INTEGER_GAIN", "Storing", "feature_dim"]
 
-PARAMETERS_KEY = "<parameters>"  # ledger key of every parameter/buffer save
+_PARAM_KEY = "<parameters>"  # ledger key of every parameter/buffer save
 
 # NOTE [Integer saves]
 # Integer saves (indices, token ids, an LSTM's workspace) are packed losslessly in the bits
@@ -82,8 +82,8 @@ class Storing:
 
     def _kept_parameter(self, tensor: torch.Tensor) -> SavedKept:
         """A save of a parameter or buffer: state, counted and kept as it is."""
-        self.ledger.record(PARAMETERS_KEY, tensor, Kind.PARAMETER, None, 0)
-        return SavedKept(tensor, PARAMETERS_KEY)
+        self.ledger.record(_PARAM_KEY, tensor, Kind.PARAMETER, None, 0)
+        return SavedKept(tensor, _PARAM_KEY)
 
     def _classify(
         self,
